@@ -1,0 +1,413 @@
+//! The model on its own thread. Callers send scoring jobs over a bounded channel and get
+//! replies on oneshots, so async code never blocks on a forward pass. Jobs that are waiting
+//! when the thread becomes free are scored together in ONE batched forward pass.
+//!
+//! A job carries a sequence's FULL token context: the engine reuses the longest prefix it
+//! has cached for that sequence and computes the rest, so rollback after a rejected draft is
+//! simply a shorter context next time, and a cache miss costs time, never correctness.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::Instant;
+
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+use crate::cache_store::CacheStore;
+use crate::chat::ChatTemplate;
+use crate::config::{LlamaConfig, string};
+use crate::device::DeviceSpec;
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvCache;
+use crate::llama::{Llama, SequenceStep};
+use crate::tokenizer::TextTokenizer;
+
+/// Engine limits and placement.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub device: DeviceSpec,
+    /// Bytes of KV cache kept across requests; least recently used sequences are evicted.
+    pub max_cache_bytes: usize,
+    /// Most new tokens scored in one batched forward pass.
+    pub max_batch_tokens: usize,
+    /// Jobs that may wait for the engine; more are refused with `Overloaded`.
+    pub max_queue: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            device: DeviceSpec::Cpu,
+            max_cache_bytes: 1 << 30,
+            max_batch_tokens: 512,
+            max_queue: 256,
+        }
+    }
+}
+
+/// What a model is: compared across services so that drafter and verifier agree.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub architecture: String,
+    pub tokenizer_identity: String,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub n_layer: usize,
+    pub n_embd: usize,
+}
+
+/// Score a sequence: make the engine hold `context` and return logits at positions
+/// `logits_from..context.len()` (the logits at position i predict token i + 1).
+#[derive(Debug, Clone)]
+pub struct ScoreRequest {
+    pub sequence: String,
+    pub context: Vec<u32>,
+    pub logits_from: usize,
+}
+
+/// Logits for the requested positions, row-major `[rows, vocab]`.
+#[derive(Debug, Clone)]
+pub struct Scores {
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+    /// Context tokens served from the cache.
+    pub reused: usize,
+    /// Context tokens run through the model for this request.
+    pub computed: usize,
+    /// Sequences in the forward pass that served this request.
+    pub batch_size: usize,
+    /// Time the job waited for the engine, and the forward pass itself.
+    pub queue_seconds: f64,
+    pub forward_seconds: f64,
+}
+
+impl Scores {
+    pub fn rows(&self) -> usize {
+        self.logits.len() / self.vocab
+    }
+
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+enum Job {
+    Score {
+        request: ScoreRequest,
+        reply: oneshot::Sender<Result<Scores>>,
+        queued_at: Instant,
+    },
+    Release {
+        sequence: String,
+    },
+}
+
+/// A handle to the engine thread; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    jobs: SyncSender<Job>,
+    info: Arc<ModelInfo>,
+}
+
+/// Everything loaded from one GGUF file.
+pub struct LoadedModel {
+    pub engine: Engine,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub config: LlamaConfig,
+}
+
+/// Loads a GGUF model and starts its engine thread.
+pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
+    let mut file = GgufFile::open(path)?;
+    let tokenizer = Arc::new(TextTokenizer::from_gguf(&file.content)?);
+    let chat_template = match string(&file.content, "tokenizer.chat_template") {
+        Ok(source) => {
+            let token =
+                |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+            let eos = tokenizer.end_of_generation().first().copied();
+            Some(Arc::new(ChatTemplate::new(
+                &source,
+                token(tokenizer.bos()),
+                token(eos),
+            )?))
+        }
+        Err(_) => None,
+    };
+    let device = options.device.open()?;
+    let llama = Llama::load(&mut file, &device)?;
+    let config = llama.config().clone();
+    if tokenizer.vocab_size() > config.vocab_size {
+        return Err(ModelError::Tokenizer(format!(
+            "tokenizer has {} tokens but the model only {}",
+            tokenizer.vocab_size(),
+            config.vocab_size
+        )));
+    }
+    let info = ModelInfo {
+        name: string(&file.content, "general.name").unwrap_or_else(|_| {
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        }),
+        architecture: string(&file.content, "general.architecture")?,
+        tokenizer_identity: tokenizer.identity().to_string(),
+        vocab_size: config.vocab_size,
+        context_length: config.context_length,
+        n_layer: config.n_layer,
+        n_embd: config.n_embd,
+    };
+    let engine = Engine::spawn(llama, info, &options)?;
+    Ok(LoadedModel {
+        engine,
+        tokenizer,
+        chat_template,
+        config,
+    })
+}
+
+impl Engine {
+    fn spawn(llama: Llama, info: ModelInfo, options: &EngineOptions) -> Result<Self> {
+        let (jobs, queue) = std::sync::mpsc::sync_channel(options.max_queue.max(1));
+        let worker = Worker {
+            cache: CacheStore::new(options.max_cache_bytes),
+            llama,
+            max_batch_tokens: options.max_batch_tokens.max(1),
+            deferred: VecDeque::new(),
+        };
+        std::thread::Builder::new()
+            .name("specd-engine".into())
+            .spawn(move || worker.run(queue))
+            .map_err(|e| ModelError::Device(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            jobs,
+            info: Arc::new(info),
+        })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn submit(&self, request: ScoreRequest) -> Result<oneshot::Receiver<Result<Scores>>> {
+        let (reply, receiver) = oneshot::channel();
+        let job = Job::Score {
+            request,
+            reply,
+            queued_at: Instant::now(),
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(receiver),
+            Err(TrySendError::Full(_)) => Err(ModelError::Overloaded),
+            Err(TrySendError::Disconnected(_)) => Err(ModelError::EngineStopped),
+        }
+    }
+
+    /// Scores from async code; the forward pass runs on the engine thread.
+    pub async fn score(&self, request: ScoreRequest) -> Result<Scores> {
+        self.submit(request)?
+            .await
+            .map_err(|_| ModelError::EngineStopped)?
+    }
+
+    /// Scores from synchronous code (not from inside an async runtime).
+    pub fn score_blocking(&self, request: ScoreRequest) -> Result<Scores> {
+        self.submit(request)?
+            .blocking_recv()
+            .map_err(|_| ModelError::EngineStopped)?
+    }
+
+    /// Drops a sequence's cache (its session ended).
+    pub fn release(&self, sequence: &str) {
+        let _ = self.jobs.try_send(Job::Release {
+            sequence: sequence.to_string(),
+        });
+    }
+}
+
+struct Worker {
+    llama: Llama,
+    cache: CacheStore,
+    max_batch_tokens: usize,
+    deferred: VecDeque<Job>,
+}
+
+/// A validated job, ready to run: its cache, the tokens to append and where logits are due.
+struct Planned {
+    sequence: String,
+    cache: KvCache,
+    new_tokens: Vec<u32>,
+    logits_at: Vec<usize>,
+    reused: usize,
+    reply: oneshot::Sender<Result<Scores>>,
+    queued_at: Instant,
+}
+
+impl Worker {
+    fn run(mut self, queue: Receiver<Job>) {
+        loop {
+            let first = match self.deferred.pop_front() {
+                Some(job) => job,
+                None => match queue.recv() {
+                    Ok(job) => job,
+                    Err(_) => return, // every handle dropped
+                },
+            };
+            let mut batch = Vec::new();
+            let mut tokens = 0;
+            self.admit(first, &mut batch, &mut tokens);
+            while tokens < self.max_batch_tokens {
+                let next = match self.deferred.pop_front() {
+                    Some(job) => job,
+                    None => match queue.try_recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    },
+                };
+                self.admit(next, &mut batch, &mut tokens);
+            }
+            if !batch.is_empty() {
+                self.run_batch(batch);
+            }
+        }
+    }
+
+    /// Adds a job to the batch being formed, or answers it at once if it is invalid.
+    fn admit(&mut self, job: Job, batch: &mut Vec<Planned>, tokens: &mut usize) {
+        let (request, reply, queued_at) = match job {
+            Job::Release { sequence } => {
+                self.cache.remove(&sequence);
+                return;
+            }
+            Job::Score {
+                request,
+                reply,
+                queued_at,
+            } => (request, reply, queued_at),
+        };
+        if batch.iter().any(|p| p.sequence == request.sequence) {
+            // One sequence appears once per pass; it goes in the next one.
+            self.deferred.push_back(Job::Score {
+                request,
+                reply,
+                queued_at,
+            });
+            return;
+        }
+        match self.plan(request) {
+            Ok((sequence, cache, new_tokens, logits_at, reused)) => {
+                *tokens += new_tokens.len();
+                batch.push(Planned {
+                    sequence,
+                    cache,
+                    new_tokens,
+                    logits_at,
+                    reused,
+                    reply,
+                    queued_at,
+                });
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &mut self,
+        request: ScoreRequest,
+    ) -> Result<(String, KvCache, Vec<u32>, Vec<usize>, usize)> {
+        let cfg = self.llama.config();
+        let len = request.context.len();
+        if request.logits_from >= len {
+            return Err(ModelError::InvalidRequest(format!(
+                "logits requested from position {} of a {len}-token context",
+                request.logits_from
+            )));
+        }
+        if len > cfg.context_length {
+            return Err(ModelError::ContextOverflow {
+                requested: len,
+                limit: cfg.context_length,
+            });
+        }
+        if let Some(&id) = request
+            .context
+            .iter()
+            .find(|&&id| id as usize >= cfg.vocab_size)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                id,
+                vocab: cfg.vocab_size,
+            });
+        }
+        let mut cache = match self.cache.take(&request.sequence) {
+            Some(cache) => cache,
+            None => self.llama.new_cache()?,
+        };
+        // Positions that need logits must be recomputed, even if cached.
+        let keep = cache
+            .common_prefix_len(&request.context)
+            .min(request.logits_from);
+        cache.truncate(keep);
+        let new_tokens = request.context[keep..].to_vec();
+        let logits_at = (request.logits_from - keep..len - keep).collect();
+        Ok((request.sequence, cache, new_tokens, logits_at, keep))
+    }
+
+    fn run_batch(&mut self, mut batch: Vec<Planned>) {
+        let started = Instant::now();
+        let batch_size = batch.len();
+        let result = {
+            let mut steps: Vec<SequenceStep<'_>> = batch
+                .iter_mut()
+                .map(|p| SequenceStep {
+                    cache: &mut p.cache,
+                    tokens: &p.new_tokens,
+                    logits_at: &p.logits_at,
+                })
+                .collect();
+            self.llama.forward(&mut steps)
+        };
+        let forward_seconds = started.elapsed().as_secs_f64();
+        let vocab = self.llama.config().vocab_size;
+        match result {
+            Ok(all_logits) => {
+                for (planned, logits) in batch.into_iter().zip(all_logits) {
+                    let scores = logits
+                        .flatten_all()
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .map_err(ModelError::from)
+                        .map(|logits| Scores {
+                            logits,
+                            vocab,
+                            reused: planned.reused,
+                            computed: planned.new_tokens.len(),
+                            batch_size,
+                            queue_seconds: (started - planned.queued_at).as_secs_f64(),
+                            forward_seconds,
+                        });
+                    self.cache.put(planned.sequence, planned.cache);
+                    let _ = planned.reply.send(scores);
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for planned in batch {
+                    // The cache may hold partial writes beyond its committed length, which
+                    // the next use overwrites; it stays consistent.
+                    self.cache.put(planned.sequence, planned.cache);
+                    let _ = planned
+                        .reply
+                        .send(Err(ModelError::Forward(message.clone())));
+                }
+            }
+        }
+        self.cache.enforce_bound();
+    }
+}

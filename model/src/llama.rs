@@ -1,0 +1,323 @@
+//! The llama forward pass, built from candle ops and candle's quantized matmuls, with the KV
+//! cache passed in from outside. One call scores several sequences of different lengths:
+//! every weight matrix is multiplied once over the rows of all sequences, attention runs per
+//! sequence against its own cache, and logits are computed only at the requested positions.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{D, DType, Device, Module, Tensor};
+
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvCache;
+
+struct Block {
+    attn_norm: Tensor,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
+    wo: QMatMul,
+    ffn_norm: Tensor,
+    w_gate: QMatMul,
+    w_up: QMatMul,
+    w_down: QMatMul,
+}
+
+/// A loaded llama model. Immutable: all per-sequence state is in [`KvCache`].
+pub struct Llama {
+    cfg: LlamaConfig,
+    token_embd: Arc<QTensor>,
+    blocks: Vec<Block>,
+    output_norm: Tensor,
+    lm_head: QMatMul,
+    rope_cos: Tensor,
+    rope_sin: Tensor,
+    device: Device,
+}
+
+/// One sequence's part of a batched forward: the tokens to append to its cache, and which of
+/// them (indices into `tokens`) need logits.
+pub struct SequenceStep<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub logits_at: &'a [usize],
+}
+
+impl Llama {
+    /// Loads every tensor of a llama-architecture GGUF onto `device`.
+    pub fn load(file: &mut GgufFile, device: &Device) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(&file.content)?;
+        let (d, ff, hd) = (cfg.n_embd, cfg.n_ff, cfg.head_dim);
+        let kv = cfg.n_head_kv * hd;
+        let token_embd =
+            Arc::new(file.tensor("token_embd.weight", Some(&[cfg.vocab_size, d]), device)?);
+        let lm_head = if file.has_tensor("output.weight") {
+            QMatMul::from_qtensor(file.tensor(
+                "output.weight",
+                Some(&[cfg.vocab_size, d]),
+                device,
+            )?)?
+        } else {
+            // Tied embeddings: the LM head is the embedding matrix.
+            QMatMul::from_arc(token_embd.clone())?
+        };
+        let vector = |file: &mut GgufFile, name: &str| -> Result<Tensor> {
+            Ok(file.tensor(name, Some(&[d]), device)?.dequantize(device)?)
+        };
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let p = format!("blk.{i}");
+            let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<QMatMul> {
+                Ok(QMatMul::from_qtensor(file.tensor(
+                    &format!("{p}.{name}.weight"),
+                    Some(&[rows, cols]),
+                    device,
+                )?)?)
+            };
+            let wq = matrix("attn_q", d, d)?;
+            let wk = matrix("attn_k", kv, d)?;
+            let wv = matrix("attn_v", kv, d)?;
+            let wo = matrix("attn_output", d, d)?;
+            let w_gate = matrix("ffn_gate", ff, d)?;
+            let w_up = matrix("ffn_up", ff, d)?;
+            let w_down = matrix("ffn_down", d, ff)?;
+            blocks.push(Block {
+                attn_norm: vector(file, &format!("{p}.attn_norm.weight"))?,
+                ffn_norm: vector(file, &format!("{p}.ffn_norm.weight"))?,
+                wq,
+                wk,
+                wv,
+                wo,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        let output_norm = vector(file, "output_norm.weight")?;
+        let (rope_cos, rope_sin) = rope_tables(&cfg, device)?;
+        Ok(Self {
+            cfg,
+            token_embd,
+            blocks,
+            output_norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A fresh, empty cache for one sequence.
+    pub fn new_cache(&self) -> Result<KvCache> {
+        KvCache::new(&self.cfg, &self.device)
+    }
+
+    /// Appends each sequence's tokens to its cache in ONE batched forward pass and returns,
+    /// per sequence, logits `[logits_at.len(), vocab]` (f32, on the CPU).
+    pub fn forward(&self, steps: &mut [SequenceStep<'_>]) -> Result<Vec<Tensor>> {
+        self.validate(steps)?;
+        for step in steps.iter_mut() {
+            step.cache.reserve(step.tokens.len())?;
+        }
+        let all_tokens: Vec<u32> = steps
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
+        let mut x = self.token_embd.embedding(&ids)?; // [T, d]
+        let eps = self.cfg.rms_eps as f32;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &block.attn_norm, eps)?;
+            let q = block.wq.forward(&h)?;
+            let k = block.wk.forward(&h)?;
+            let v = block.wv.forward(&h)?;
+            let mut outputs = Vec::with_capacity(steps.len());
+            let mut row = 0;
+            for step in steps.iter() {
+                let n = step.tokens.len();
+                let attn = self.attention(
+                    layer,
+                    step.cache,
+                    &q.narrow(0, row, n)?,
+                    &k.narrow(0, row, n)?,
+                    &v.narrow(0, row, n)?,
+                )?;
+                outputs.push(attn);
+                row += n;
+            }
+            let attn = Tensor::cat(&outputs, 0)?;
+            x = (x + block.wo.forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
+            let gated =
+                (candle_nn::ops::silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
+            x = (x + block.w_down.forward(&gated)?)?;
+        }
+        // Only the requested rows go through the final norm and the (large) LM head.
+        let mut wanted = Vec::new();
+        let mut row = 0u32;
+        for step in steps.iter() {
+            wanted.extend(step.logits_at.iter().map(|&i| row + i as u32));
+            row += step.tokens.len() as u32;
+        }
+        let logits = if wanted.is_empty() {
+            Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &Device::Cpu)?
+        } else {
+            let rows = x.index_select(&Tensor::new(wanted.as_slice(), &self.device)?, 0)?;
+            let rows = candle_nn::ops::rms_norm(&rows, &self.output_norm, eps)?;
+            self.lm_head.forward(&rows)?.to_device(&Device::Cpu)?
+        };
+        let mut out = Vec::with_capacity(steps.len());
+        let mut start = 0;
+        for step in steps.iter_mut() {
+            step.cache.commit(step.tokens);
+            out.push(logits.narrow(0, start, step.logits_at.len())?);
+            start += step.logits_at.len();
+        }
+        Ok(out)
+    }
+
+    fn validate(&self, steps: &[SequenceStep<'_>]) -> Result<()> {
+        for step in steps {
+            if step.tokens.is_empty() {
+                return Err(ModelError::InvalidRequest(
+                    "a sequence step has no tokens".into(),
+                ));
+            }
+            if let Some(&id) = step
+                .tokens
+                .iter()
+                .find(|&&id| id as usize >= self.cfg.vocab_size)
+            {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: self.cfg.vocab_size,
+                });
+            }
+            if let Some(&i) = step.logits_at.iter().find(|&&i| i >= step.tokens.len()) {
+                return Err(ModelError::InvalidRequest(format!(
+                    "logits requested at position {i} of a {}-token step",
+                    step.tokens.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Causal self-attention of `n` new rows of one sequence against its cache.
+    /// `q`: `[n, n_head*hd]`, `k`/`v`: `[n, n_head_kv*hd]`; returns `[n, n_head*hd]`.
+    fn attention(
+        &self,
+        layer: usize,
+        cache: &KvCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (n, hd) = (q.dim(0)?, cfg.head_dim);
+        let start = cache.len();
+        let group = cfg.n_head / cfg.n_head_kv;
+        let q = q
+            .reshape((1, n, cfg.n_head, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = k
+            .reshape((1, n, cfg.n_head_kv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = v.reshape((n, cfg.n_head_kv, hd))?.transpose(0, 1)?;
+        let (q, k) = self.apply_rope(&q, &k, start, n)?;
+        let (keys, values) = cache.write_layer(layer, start, &k.squeeze(0)?, &v)?;
+        let total = start + n;
+        // Query heads sharing a KV head are stacked so one matmul serves the whole group.
+        let q = q.reshape((cfg.n_head_kv, group * n, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&keys.contiguous()?.t()?)? * scale)?; // [kv, group*n, total]
+        let scores = if n > 1 {
+            let mask = causal_mask(n, start, &self.device)?; // [n, total]
+            scores
+                .reshape((cfg.n_head_kv, group, n, total))?
+                .broadcast_add(&mask)?
+                .reshape((cfg.n_head_kv, group * n, total))?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&values.contiguous()?)?; // [kv, group*n, hd]
+        Ok(out
+            .reshape((cfg.n_head, n, hd))?
+            .transpose(0, 1)?
+            .reshape((n, cfg.n_head * hd))?)
+    }
+
+    fn apply_rope(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        start: usize,
+        n: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let cos = self.rope_cos.narrow(0, start, n)?;
+        let sin = self.rope_sin.narrow(0, start, n)?;
+        let rd = self.cfg.rope_dim;
+        let rotate = |x: &Tensor| -> Result<Tensor> {
+            if rd == self.cfg.head_dim {
+                return Ok(candle_nn::rotary_emb::rope_i(x, &cos, &sin)?);
+            }
+            // Partial rotary: only the first `rope_dim` dims of each head rotate.
+            let rotated = candle_nn::rotary_emb::rope_i(
+                &x.narrow(D::Minus1, 0, rd)?.contiguous()?,
+                &cos,
+                &sin,
+            )?;
+            let rest = x.narrow(D::Minus1, rd, self.cfg.head_dim - rd)?;
+            Ok(Tensor::cat(&[&rotated, &rest], D::Minus1)?.contiguous()?)
+        };
+        Ok((rotate(q)?, rotate(k)?))
+    }
+}
+
+/// `[n, start + n]` additive mask: query `i` (position `start + i`) sees keys `0..=start + i`.
+fn causal_mask(n: usize, start: usize, device: &Device) -> Result<Tensor> {
+    let total = start + n;
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > start + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (n, total), device)?)
+}
+
+/// Interleaved (GPT-J style) rotary tables, the layout llama.cpp's GGUF conversion expects.
+fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.rope_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / cfg.rope_dim as f32))
+        .collect();
+    let positions = cfg.context_length;
+    let mut angles = Vec::with_capacity(positions * half);
+    for p in 0..positions {
+        angles.extend(inv_freq.iter().map(|f| p as f32 * f));
+    }
+    let angles = Tensor::from_vec(angles, (positions, half), device)?;
+    Ok((angles.cos()?, angles.sin()?))
+}
+
+#[cfg(test)]
+mod tests;
