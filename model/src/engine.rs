@@ -121,26 +121,29 @@ pub struct LoadedModel {
     pub config: LlamaConfig,
 }
 
-/// Loads a GGUF model and starts its engine thread.
-pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
-    let mut file = GgufFile::open(path)?;
+/// The text side of a model: what an orchestrator needs without loading any weights.
+pub struct TextModel {
+    pub tokenizer: Arc<TextTokenizer>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub config: LlamaConfig,
+}
+
+/// Reads the tokenizer, chat template and hyper-parameters of a GGUF (metadata only).
+pub fn load_text_model(path: &Path) -> Result<TextModel> {
+    text_model(&GgufFile::open(path)?)
+}
+
+fn text_model(file: &GgufFile) -> Result<TextModel> {
     let tokenizer = Arc::new(TextTokenizer::from_gguf(&file.content)?);
     let chat_template = match string(&file.content, "tokenizer.chat_template") {
         Ok(source) => {
-            let token =
-                |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+            let token = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
             let eos = tokenizer.end_of_generation().first().copied();
-            Some(Arc::new(ChatTemplate::new(
-                &source,
-                token(tokenizer.bos()),
-                token(eos),
-            )?))
+            Some(Arc::new(ChatTemplate::new(&source, token(tokenizer.bos()), token(eos))?))
         }
         Err(_) => None,
     };
-    let device = options.device.open()?;
-    let llama = Llama::load(&mut file, &device)?;
-    let config = llama.config().clone();
+    let config = LlamaConfig::from_gguf(&file.content)?;
     if tokenizer.vocab_size() > config.vocab_size {
         return Err(ModelError::Tokenizer(format!(
             "tokenizer has {} tokens but the model only {}",
@@ -148,11 +151,27 @@ pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
             config.vocab_size
         )));
     }
+    Ok(TextModel {
+        tokenizer,
+        chat_template,
+        config,
+    })
+}
+
+/// Loads a GGUF model and starts its engine thread.
+pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
+    let mut file = GgufFile::open(path)?;
+    let TextModel {
+        tokenizer,
+        chat_template,
+        ..
+    } = text_model(&file)?;
+    let device = options.device.open()?;
+    let llama = Llama::load(&mut file, &device)?;
+    let config = llama.config().clone();
     let info = ModelInfo {
         name: string(&file.content, "general.name").unwrap_or_else(|_| {
-            path.file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default()
+            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
         }),
         architecture: string(&file.content, "general.architecture")?,
         tokenizer_identity: tokenizer.identity().to_string(),

@@ -35,7 +35,7 @@ impl SamplingParams {
                 self.temperature
             )));
         }
-        if !self.top_p.is_finite() || !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(ModelError::InvalidRequest(format!(
                 "top_p must be in (0, 1], got {}",
                 self.top_p

@@ -1,0 +1,9 @@
+//! Plumbing every specd service shares, so no binary copies it: logging set-up
+//! ([`telemetry`]), gRPC health and reflection plus shutdown signals ([`serve`]), and the
+//! conversions between the model crate's types and the wire types ([`convert`]), and the
+//! model flags every model-serving binary takes ([`model_args`]).
+
+pub mod convert;
+pub mod model_args;
+pub mod serve;
+pub mod telemetry;

@@ -1,0 +1,57 @@
+//! The flags every binary that runs a model takes, and loading the model they describe
+//! (fetching the default model on first use).
+
+use std::path::PathBuf;
+
+use specd_model::{DeviceSpec, EngineOptions, LoadedModel, ModelError};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// Path of a llama-architecture GGUF model; default: SmolLM2-135M-Instruct Q4_1, fetched
+    /// once into the model cache ($SPECD_MODEL_DIR or ~/.cache/specd/models).
+    #[arg(long, env = "SPECD_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Device to run the model on: cpu, cuda or cuda:N (cuda needs a `--features cuda` build).
+    #[arg(long, env = "SPECD_DEVICE", default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// CPU threads for the model's kernels (0: all cores).
+    #[arg(long, env = "SPECD_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// KV cache memory kept across requests, in MiB; least recently used sessions are evicted.
+    #[arg(long, env = "SPECD_MAX_CACHE_MB", default_value_t = 1024)]
+    pub max_cache_mb: usize,
+    /// Most new tokens scored in one batched forward pass.
+    #[arg(long, env = "SPECD_MAX_BATCH_TOKENS", default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Scoring jobs that may wait for the model; more are refused at once (overload).
+    #[arg(long, env = "SPECD_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+}
+
+impl ModelArgs {
+    /// Sets the compute thread count. Call first thing in `main`, before other threads exist.
+    pub fn apply_threads(&self) {
+        specd_model::set_compute_threads(self.threads);
+    }
+
+    /// The model path, fetching the default model if none was given.
+    pub fn resolve_path(&self) -> Result<PathBuf, ModelError> {
+        match &self.model {
+            Some(path) => Ok(path.clone()),
+            None => specd_model::fetch::ensure_default_model(),
+        }
+    }
+
+    pub fn engine_options(&self) -> EngineOptions {
+        EngineOptions {
+            device: self.device,
+            max_cache_bytes: self.max_cache_mb << 20,
+            max_batch_tokens: self.max_batch_tokens,
+            max_queue: self.max_queue,
+        }
+    }
+
+    pub fn load(&self) -> Result<LoadedModel, ModelError> {
+        specd_model::load(&self.resolve_path()?, self.engine_options())
+    }
+}

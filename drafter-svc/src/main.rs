@@ -1,0 +1,81 @@
+//! `drafter-svc`: serves `specd.v1.Drafter` (prompt lookup always; an LM drafter with
+//! `--lm`) with health and reflection. Health is NOT_SERVING until any model is loaded.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use specd_common::model_args::ModelArgs;
+use specd_common::serve::{Health, reflection, shutdown_signal};
+use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramConfig};
+use specd_proto::DrafterServer;
+use tonic::transport::server::TcpIncoming;
+
+#[derive(Debug, Parser)]
+#[command(name = "drafter-svc", version, about = "specd drafter: draft tokens over gRPC")]
+struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50051")]
+    listen: SocketAddr,
+    /// Longest suffix the prompt-lookup drafter tries to match.
+    #[arg(long, env = "SPECD_NGRAM_MAX", default_value_t = 4)]
+    ngram_max: usize,
+    /// Shortest suffix the prompt-lookup drafter accepts as a match.
+    #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = 1)]
+    ngram_min: usize,
+    /// Also serve an LM drafter, running the model given by --model (same tokenizer as the
+    /// target's).
+    #[arg(long, env = "SPECD_LM_DRAFTER")]
+    lm: bool,
+    /// Log one JSON object per line instead of text.
+    #[arg(long, env = "SPECD_LOG_JSON")]
+    log_json: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    let config = Config::parse();
+    config.model.apply_threads();
+    specd_common::telemetry::init_telemetry("drafter-svc", config.log_json);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(config))
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    let (health, health_service) = Health::new("specd.v1.Drafter").await;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let local = listener.local_addr()?;
+    let service = DrafterService::default();
+    let server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection().map_err(anyhow::Error::msg)?)
+        .add_service(DrafterServer::new(service.clone()).max_decoding_message_size(64 << 20))
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal());
+    let server = tokio::spawn(server);
+    tracing::info!(%local, lm = config.lm, "drafter listening");
+    let lm = if config.lm {
+        let model_args = config.model.clone();
+        let loaded = tokio::task::spawn_blocking(move || model_args.load())
+            .await?
+            .context("cannot load the LM drafter's model")?;
+        Some(LmDrafter::new(loaded.engine))
+    } else {
+        None
+    };
+    let ngram = NgramConfig {
+        max_n: config.ngram_max,
+        min_n: config.ngram_min.max(1),
+    };
+    service.set_core(Arc::new(DrafterCore::new(ngram, lm)));
+    health.set(true).await;
+    tracing::info!("drafter serving");
+    server.await??;
+    tracing::info!("drafter stopped");
+    Ok(())
+}

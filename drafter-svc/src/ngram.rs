@@ -1,0 +1,110 @@
+//! Prompt-lookup drafting: find the most recent earlier occurrence of the context's last n
+//! tokens (n from `max_n` down to `min_n`) and propose what followed it. Costs microseconds
+//! and wins on input-grounded text (edits, quotes, structured rewrites).
+
+/// Match lengths tried, longest first.
+#[derive(Debug, Clone, Copy)]
+pub struct NgramConfig {
+    pub max_n: usize,
+    pub min_n: usize,
+}
+
+impl Default for NgramConfig {
+    fn default() -> Self {
+        Self { max_n: 4, min_n: 1 }
+    }
+}
+
+/// A prompt-lookup proposal.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NgramProposal {
+    pub tokens: Vec<u32>,
+    /// Length of the suffix that matched (0: no match, no tokens).
+    pub match_length: usize,
+    /// Share of the suffix's earlier occurrences followed by the proposed first token,
+    /// smoothed: (agreeing + 1) / (occurrences + 2).
+    pub confidence: f32,
+}
+
+impl NgramProposal {
+    fn none() -> Self {
+        Self {
+            tokens: Vec::new(),
+            match_length: 0,
+            confidence: 0.0,
+        }
+    }
+}
+
+/// Proposes up to `max_tokens` tokens continuing `context`.
+pub fn propose(context: &[u32], max_tokens: usize, config: NgramConfig) -> NgramProposal {
+    let len = context.len();
+    if max_tokens == 0 || config.min_n == 0 {
+        return NgramProposal::none();
+    }
+    for n in (config.min_n..=config.max_n).rev() {
+        if len <= n {
+            continue;
+        }
+        let suffix = &context[len - n..];
+        // Earlier occurrences, most recent first, each with a following token.
+        let mut occurrences = (0..len - n).rev().filter(|&i| &context[i..i + n] == suffix);
+        let Some(latest) = occurrences.next() else {
+            continue;
+        };
+        let start = latest + n;
+        let tokens: Vec<u32> = context[start..len.min(start + max_tokens)].to_vec();
+        let first = tokens[0];
+        let (mut seen, mut agreeing) = (1usize, 1usize);
+        for i in occurrences {
+            seen += 1;
+            agreeing += usize::from(context[i + n] == first);
+        }
+        return NgramProposal {
+            tokens,
+            match_length: n,
+            confidence: (agreeing as f32 + 1.0) / (seen as f32 + 2.0),
+        };
+    }
+    NgramProposal::none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continues_the_most_recent_longest_match() {
+        // "1 2 3 9 | 1 2 3 7 8 | 1 2 3" -> the most recent "1 2 3" was followed by 7 8.
+        let context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3];
+        let p = propose(&context, 2, NgramConfig::default());
+        assert_eq!(p.tokens, vec![7, 8]);
+        assert_eq!(p.match_length, 3);
+        // Two earlier "1 2 3": one followed by 7, one by 9 -> (1 + 1) / (2 + 2).
+        assert!((p.confidence - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn falls_back_to_shorter_matches_and_stops_at_the_context_end() {
+        let context = [5, 6, 7, 1, 9, 9, 1];
+        let p = propose(&context, 8, NgramConfig { max_n: 3, min_n: 1 });
+        assert_eq!(p.match_length, 1);
+        assert_eq!(p.tokens, vec![9, 9, 1]);
+    }
+
+    #[test]
+    fn proposes_nothing_without_a_match() {
+        let p = propose(&[1, 2, 3, 4], 4, NgramConfig::default());
+        assert!(p.tokens.is_empty());
+        assert_eq!(p.match_length, 0);
+        assert_eq!(propose(&[], 4, NgramConfig::default()).tokens, Vec::<u32>::new());
+        assert!(propose(&[1, 1, 1], 0, NgramConfig::default()).tokens.is_empty());
+    }
+
+    #[test]
+    fn respects_min_n() {
+        let context = [4, 1, 2, 8, 2];
+        assert!(propose(&context, 3, NgramConfig { max_n: 3, min_n: 2 }).tokens.is_empty());
+        assert_eq!(propose(&context, 3, NgramConfig { max_n: 3, min_n: 1 }).tokens, vec![8, 2]);
+    }
+}

@@ -1,0 +1,243 @@
+//! Adaptive K: how many draft tokens a speculative step should verify. Under the usual
+//! model each draft token is accepted with probability α (independently), so a step that
+//! verifies k drafts emits E(k) = (1 − α^(k+1)) / (1 − α) tokens. It costs one drafter call
+//! (when k > 0) plus a verifier pass over k + 1 tokens, whose time grows with k — on a CPU
+//! steeply. The policy picks the k in [0, k_max] with the most tokens per second, from α
+//! measured per session and costs measured per process; K = 0 (plain decoding) whenever
+//! drafting does not pay.
+
+use std::sync::Mutex;
+
+/// Weight of the newest sample in the moving averages.
+const EMA_WEIGHT: f64 = 0.2;
+/// Prior acceptance counts (α starts at 0.5 and is pulled back to it slowly).
+const PRIOR_ACCEPTED: f64 = 1.0;
+const PRIOR_REJECTED: f64 = 1.0;
+/// How quickly old acceptance evidence fades (per step).
+const ACCEPTANCE_DECAY: f64 = 0.9;
+/// Every this many steps without drafting, a step with an available draft tries k = 1,
+/// so a session whose text turns predictable is noticed.
+const EXPLORE_EVERY: u32 = 8;
+
+/// Process-wide costs, shared by sessions: the verifier's time for a pass over k + 1
+/// tokens, modelled as `base + per_token · k`, and the drafter's round trip.
+#[derive(Debug)]
+pub struct CostModel {
+    inner: Mutex<Costs>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Costs {
+    /// Seconds of one verifier call with no drafts (round trip included).
+    base: f64,
+    /// Extra verifier seconds per draft token.
+    per_token: f64,
+    /// Seconds of one drafter call, and per drafted token (LM drafters).
+    draft_call: f64,
+    draft_per_token: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        // Priors from candle's CPU curve (8 tokens ≈ 5.7× one): replaced by measurements
+        // after a few steps.
+        Self {
+            inner: Mutex::new(Costs {
+                base: 0.02,
+                per_token: 0.0134,
+                draft_call: 0.0005,
+                draft_per_token: 0.0,
+            }),
+        }
+    }
+}
+
+impl CostModel {
+    /// Records a verifier call that scored `k` drafts in `seconds` (wall time).
+    pub fn record_verify(&self, k: usize, seconds: f64) {
+        let mut c = self.inner.lock().expect("cost model lock");
+        if k == 0 {
+            c.base = ema(c.base, seconds);
+        } else {
+            let per_token = ((seconds - c.base) / k as f64).max(0.0);
+            c.per_token = ema(c.per_token, per_token);
+        }
+    }
+
+    /// Records a drafter call that proposed `k` tokens in `seconds`.
+    pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
+        let mut c = self.inner.lock().expect("cost model lock");
+        if per_token_drafter && k > 0 {
+            c.draft_per_token = ema(c.draft_per_token, seconds / k as f64);
+        } else {
+            c.draft_call = ema(c.draft_call, seconds);
+        }
+    }
+
+    /// Expected seconds of a step verifying `k` drafts.
+    pub fn step_seconds(&self, k: usize) -> f64 {
+        let c = *self.inner.lock().expect("cost model lock");
+        let verify = c.base + c.per_token * k as f64;
+        if k == 0 {
+            verify
+        } else {
+            verify + c.draft_call + c.draft_per_token * k as f64
+        }
+    }
+
+    /// Verifier cost of one extra draft token relative to a plain step.
+    pub fn relative_token_cost(&self) -> f64 {
+        let c = *self.inner.lock().expect("cost model lock");
+        c.per_token / c.base.max(1e-9)
+    }
+}
+
+fn ema(old: f64, sample: f64) -> f64 {
+    old + EMA_WEIGHT * (sample - old)
+}
+
+/// Expected tokens emitted by a step verifying `k` drafts at per-token acceptance `alpha`.
+pub fn expected_tokens(k: usize, alpha: f64) -> f64 {
+    if alpha >= 1.0 {
+        return (k + 1) as f64;
+    }
+    (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha)
+}
+
+/// One session's acceptance record and K choice.
+#[derive(Debug, Clone)]
+pub struct KPolicy {
+    accepted: f64,
+    rejected: f64,
+    steps_without_draft: u32,
+}
+
+impl Default for KPolicy {
+    fn default() -> Self {
+        Self {
+            accepted: PRIOR_ACCEPTED,
+            rejected: PRIOR_REJECTED,
+            steps_without_draft: 0,
+        }
+    }
+}
+
+impl KPolicy {
+    /// Estimated probability that a draft token is accepted.
+    pub fn alpha(&self) -> f64 {
+        self.accepted / (self.accepted + self.rejected)
+    }
+
+    /// Chooses k in `[0, available]` (available: drafts on offer, capped by K max and the
+    /// tokens still wanted).
+    pub fn choose(&mut self, available: usize, costs: &CostModel) -> usize {
+        if available == 0 {
+            self.steps_without_draft += 1;
+            return 0;
+        }
+        let alpha = self.alpha();
+        let rate = |k: usize| expected_tokens(k, alpha) / costs.step_seconds(k);
+        let best = (0..=available)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+            .unwrap_or(0);
+        if best == 0 {
+            self.steps_without_draft += 1;
+            if self.steps_without_draft >= EXPLORE_EVERY {
+                self.steps_without_draft = 0;
+                return 1;
+            }
+            return 0;
+        }
+        self.steps_without_draft = 0;
+        best
+    }
+
+    /// Records a step that verified `k` drafts and accepted `accepted` of them.
+    pub fn record(&mut self, k: usize, accepted: usize) {
+        if k == 0 {
+            return;
+        }
+        self.accepted = self.accepted * ACCEPTANCE_DECAY + accepted as f64;
+        self.rejected = self.rejected * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(base: f64, per_token: f64) -> CostModel {
+        let model = CostModel::default();
+        {
+            let mut c = model.inner.lock().unwrap();
+            c.base = base;
+            c.per_token = per_token;
+            c.draft_call = 0.0;
+        }
+        model
+    }
+
+    #[test]
+    fn expected_tokens_matches_the_geometric_series() {
+        assert!((expected_tokens(0, 0.7) - 1.0).abs() < 1e-12);
+        assert!((expected_tokens(2, 0.5) - 1.75).abs() < 1e-12);
+        assert_eq!(expected_tokens(4, 1.0), 5.0);
+    }
+
+    #[test]
+    fn high_acceptance_and_cheap_tokens_draft_deeply() {
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 4);
+        }
+        assert!(policy.alpha() > 0.9);
+        assert_eq!(policy.choose(8, &costs(1.0, 0.1)), 8);
+    }
+
+    #[test]
+    fn low_acceptance_or_expensive_tokens_decode_plainly() {
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 0);
+        }
+        assert!(policy.alpha() < 0.1);
+        assert_eq!(policy.choose(8, &costs(1.0, 0.1)), 0);
+        // Even perfect acceptance does not pay when a draft token costs a full pass.
+        let mut perfect = KPolicy::default();
+        for _ in 0..30 {
+            perfect.record(2, 2);
+        }
+        assert_eq!(perfect.choose(8, &costs(1.0, 1.05)), 0);
+    }
+
+    #[test]
+    fn k_never_exceeds_what_is_available() {
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 4);
+        }
+        assert_eq!(policy.choose(2, &costs(1.0, 0.01)), 2);
+        assert_eq!(policy.choose(0, &costs(1.0, 0.01)), 0);
+    }
+
+    #[test]
+    fn a_session_that_stopped_drafting_explores_again() {
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 0);
+        }
+        let c = costs(1.0, 0.5);
+        let picks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| policy.choose(4, &c)).collect();
+        assert_eq!(picks.iter().filter(|&&k| k == 1).count(), 1, "{picks:?}");
+    }
+
+    #[test]
+    fn measured_costs_move_the_model() {
+        let model = CostModel::default();
+        for _ in 0..50 {
+            model.record_verify(0, 0.010);
+            model.record_verify(4, 0.030);
+        }
+        assert!((model.relative_token_cost() - 0.5).abs() < 0.05, "{}", model.relative_token_cost());
+    }
+}

@@ -1,0 +1,185 @@
+//! `specd bench engine`: plain decode tok/s, 64-token prompt processing tok/s, and the cost
+//! of scoring n tokens in one pass (after 64 tokens of context) relative to n = 1 — the curve
+//! that decides whether speculation pays. With `--llama-cpp DIR` (llama.cpp's build/bin),
+//! `llama-bench` runs on the same GGUF and thread count in the same run, and both print side
+//! by side. Medians of repeated runs.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use specd_common::model_args::ModelArgs;
+use specd_model::{Engine, ScoreRequest, argmax};
+
+#[derive(Debug, clap::Args)]
+pub struct EngineBenchArgs {
+    /// llama.cpp's bin folder (with llama-bench), to measure it in the same run.
+    #[arg(long, env = "SPECD_LLAMA_CPP_BIN")]
+    llama_cpp: Option<PathBuf>,
+    /// Repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    repetitions: usize,
+    /// Tokens decoded for the decode measurement.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Write the results as JSON here too.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+const PASS_SIZES: [usize; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 16];
+const DEPTH: usize = 64;
+const PROMPT: usize = 64;
+
+#[derive(Debug, Default, serde::Serialize)]
+struct Figures {
+    decode_tok_s: f64,
+    prompt64_tok_s: f64,
+    /// Seconds of one pass over n tokens at depth 64, for each n in PASS_SIZES.
+    pass_seconds: Vec<(usize, f64)>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn tokens(n: usize, vocab: usize) -> Vec<u32> {
+    // Arbitrary but fixed ids spread over the vocabulary.
+    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+}
+
+fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usize) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    engine.score_blocking(ScoreRequest {
+        sequence: sequence.into(),
+        context: context.to_vec(),
+        logits_from,
+    })?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figures> {
+    let vocab = engine.info().vocab_size;
+    let reps = args.repetitions.max(1);
+    // Warm-up.
+    time_pass(engine, "warm", &tokens(16, vocab), 0)?;
+    // Prompt processing: a fresh sequence each time, logits for the last position.
+    let prompt = tokens(PROMPT, vocab);
+    let pp: Vec<f64> = (0..reps)
+        .map(|r| time_pass(engine, &format!("pp-{r}"), &prompt, PROMPT - 1))
+        .collect::<anyhow::Result<_>>()?;
+    // Scoring n tokens after DEPTH cached ones, logits at all n (as verification needs).
+    let base = tokens(DEPTH + 16, vocab);
+    time_pass(engine, "depth", &base[..DEPTH], DEPTH - 1)?;
+    let mut pass_seconds = Vec::new();
+    for &n in &PASS_SIZES {
+        let context: Vec<u32> = base[..DEPTH].iter().chain(&base[DEPTH..DEPTH + n]).copied().collect();
+        let times: Vec<f64> = (0..reps)
+            .map(|_| time_pass(engine, "depth", &context, DEPTH))
+            .collect::<anyhow::Result<_>>()?;
+        pass_seconds.push((n, median(times)));
+    }
+    // Decode: one token per pass, greedy, after a 16-token prompt.
+    let mut decode = Vec::new();
+    for r in 0..reps.min(3) {
+        let sequence = format!("decode-{r}");
+        let mut context = tokens(16, vocab);
+        let started = Instant::now();
+        for _ in 0..args.decode_tokens {
+            let scores = engine.score_blocking(ScoreRequest {
+                sequence: sequence.clone(),
+                logits_from: context.len() - 1,
+                context: context.clone(),
+            })?;
+            context.push(argmax(scores.row(0)));
+        }
+        decode.push(args.decode_tokens as f64 / started.elapsed().as_secs_f64());
+        engine.release(&sequence);
+    }
+    Ok(Figures {
+        decode_tok_s: median(decode),
+        prompt64_tok_s: PROMPT as f64 / median(pp),
+        pass_seconds,
+    })
+}
+
+#[derive(serde::Deserialize)]
+struct LlamaBenchRow {
+    n_prompt: usize,
+    n_gen: usize,
+    avg_ns: f64,
+    avg_ts: f64,
+}
+
+fn measure_llama_cpp(bin: &std::path::Path, model: &std::path::Path, threads: usize, args: &EngineBenchArgs) -> anyhow::Result<Figures> {
+    let sizes: Vec<String> = PASS_SIZES.iter().map(|n| n.to_string()).collect();
+    let run = |prompts: &str, depth: usize, generate: usize| -> anyhow::Result<Vec<LlamaBenchRow>> {
+        let output = Command::new(bin.join("llama-bench"))
+            .env("LD_LIBRARY_PATH", bin)
+            .args(["-m", &model.to_string_lossy(), "-t", &threads.to_string(), "-p", prompts])
+            .args(["-n", &generate.to_string(), "-d", &depth.to_string()])
+            .args(["-r", &args.repetitions.max(1).to_string(), "-o", "json"])
+            .output()
+            .with_context(|| format!("cannot run {}", bin.join("llama-bench").display()))?;
+        anyhow::ensure!(output.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&output.stderr));
+        Ok(serde_json::from_slice(&output.stdout)?)
+    };
+    let passes = run(&sizes.join(","), DEPTH, 0)?;
+    let pp = run(&PROMPT.to_string(), 0, args.decode_tokens)?;
+    Ok(Figures {
+        decode_tok_s: pp.iter().find(|r| r.n_gen > 0).map_or(0.0, |r| r.avg_ts),
+        prompt64_tok_s: pp.iter().find(|r| r.n_prompt == PROMPT).map_or(0.0, |r| r.avg_ts),
+        pass_seconds: passes.iter().filter(|r| r.n_prompt > 0).map(|r| (r.n_prompt, r.avg_ns * 1e-9)).collect(),
+    })
+}
+
+pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
+    let path = args.model.resolve_path()?;
+    let loaded = specd_model::load(&path, args.model.engine_options())?;
+    let threads = if args.model.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        args.model.threads
+    };
+    eprintln!("specd bench engine: {} on {} thread(s), {} repetitions", path.display(), threads, args.repetitions);
+    let ours = measure_ours(&loaded.engine, &args)?;
+    let theirs = match &args.llama_cpp {
+        Some(bin) => Some(measure_llama_cpp(bin, &path, threads, &args)?),
+        None => None,
+    };
+    print_table(&ours, theirs.as_ref());
+    if let Some(out) = &args.json_out {
+        let json = serde_json::json!({ "model": path, "threads": threads, "specd": ours, "llama_cpp": theirs });
+        std::fs::write(out, serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(())
+}
+
+fn print_table(ours: &Figures, theirs: Option<&Figures>) {
+    let col = |f: Option<&Figures>, get: &dyn Fn(&Figures) -> f64| f.map_or("-".to_string(), |f| format!("{:.1}", get(f)));
+    let ratio = |get: &dyn Fn(&Figures) -> f64| theirs.map_or("-".to_string(), |t| format!("{:.2}", get(ours) / get(t)));
+    println!("{:<34} {:>10} {:>10} {:>8}", "metric", "specd", "llama.cpp", "ratio");
+    type Getter<'a> = &'a dyn Fn(&Figures) -> f64;
+    let rows: [(&str, Getter); 2] = [
+        ("decode tok/s", &|f| f.decode_tok_s),
+        ("prompt processing (64) tok/s", &|f| f.prompt64_tok_s),
+    ];
+    for (name, get) in rows {
+        println!("{name:<34} {:>10} {:>10} {:>8}", col(Some(ours), get), col(theirs, get), ratio(get));
+    }
+    let one = |f: &Figures| f.pass_seconds.first().map_or(1.0, |p| p.1);
+    for (i, &(n, seconds)) in ours.pass_seconds.iter().enumerate() {
+        let theirs_rel = theirs.and_then(|t| t.pass_seconds.get(i).map(|p| p.1 / one(t)));
+        println!(
+            "{:<34} {:>10} {:>10} {:>8}",
+            format!("pass of {n} at depth {DEPTH}: ms (x n=1)"),
+            format!("{:.2} (x{:.2})", seconds * 1e3, seconds / one(ours)),
+            theirs_rel.map_or("-".into(), |r| format!("x{r:.2}")),
+            "",
+        );
+    }
+}

@@ -1,0 +1,65 @@
+//! `specd`: the command line. `specd generate` runs speculative generation — all-in-one in
+//! this process by default (the same drafter, verifier and orchestrator code the services
+//! run), or against a running orchestrator with `--orchestrator URL`. `specd bench` measures
+//! the engine and speculation; `specd fetch-model` fetches the default model.
+
+mod bench_engine;
+mod bench_spec;
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "specd", version, about = "Distributed speculative decoding for llama-family GGUF models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate text (speculative by default).
+    Generate(generate::GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Fetch the default model into the model cache and print its path.
+    FetchModel,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Engine speed: decode, prompt processing and the cost of scoring n tokens in one pass,
+    /// beside llama.cpp on the same model when its tools are given.
+    Engine(bench_engine::EngineBenchArgs),
+    /// Speculative vs plain decoding through the same stack, per workload.
+    Spec(bench_spec::SpecBenchArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Generate(args) => {
+            args.model.apply_threads();
+            specd_common::telemetry::init_telemetry("specd", false);
+            runtime()?.block_on(generate::run(args))
+        }
+        Command::Bench(BenchCommand::Engine(args)) => {
+            args.model.apply_threads();
+            bench_engine::run(args)
+        }
+        Command::Bench(BenchCommand::Spec(args)) => {
+            args.model.apply_threads();
+            specd_common::telemetry::init_telemetry("specd", false);
+            runtime()?.block_on(bench_spec::run(args))
+        }
+        Command::FetchModel => {
+            println!("{}", specd_model::fetch::ensure_default_model()?.display());
+            Ok(())
+        }
+    }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()
+}

@@ -1,0 +1,374 @@
+//! The speculative decoding loop. Per step: ask the drafter for up to K tokens (skipped when
+//! speculation is off or the drafter fails: speculation is never a dependency), choose how
+//! many to verify (adaptive K), score context + draft in one verifier pass, accept locally
+//! (greedy or exact rejection sampling), then emit the accepted tokens with eos, stop-string
+//! and length checks. The session's context changes only when a request succeeds.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use prost::Message;
+use specd_common::convert::{distribution_from_proto, sampling_to_proto};
+use specd_model::{Sampler, SparseDist, TextModel};
+use specd_proto::v1 as pb;
+
+use crate::acceptance::{accept_greedy, accept_sampled};
+use crate::adaptive::CostModel;
+use crate::backend::{DrafterBackend, VerifierBackend};
+use crate::error::OrchestratorError;
+use crate::request::{Drafter, GenerationParams, Input, Limits, validate};
+use crate::session::{Session, SessionStore};
+use crate::stop::StopMatcher;
+
+/// Receives text as it is accepted (streaming); `None` for unary calls.
+pub type ChunkSink<'a> = Option<&'a tokio::sync::mpsc::Sender<pb::TokenChunk>>;
+
+pub struct Generator {
+    pub verifier: Arc<dyn VerifierBackend>,
+    pub drafter: Option<Arc<dyn DrafterBackend>>,
+    pub text: TextModel,
+    pub costs: Arc<CostModel>,
+    pub sessions: SessionStore,
+    pub limits: Limits,
+}
+
+/// Running totals of one request.
+#[derive(Default)]
+struct Totals {
+    proposed: u32,
+    accepted: u32,
+    verifier_calls: u32,
+    drafter_calls: u32,
+    drafted_steps: u32,
+    bytes_sent: u64,
+    bytes_received: u64,
+    draft_seconds: f64,
+    verify_seconds: f64,
+}
+
+impl Generator {
+    pub async fn generate(
+        &self,
+        request: &pb::GenerateRequest,
+        sink: ChunkSink<'_>,
+    ) -> Result<pb::GenerateResponse, OrchestratorError> {
+        let params = validate(request, &self.limits, self.text.config.vocab_size)?;
+        let mut session = match &params.session_id {
+            Some(id) => self.sessions.acquire(id)?,
+            None => self.sessions.create()?,
+        };
+        let (context, prompt_tokens, history) = self.build_context(&session, &params.input)?;
+        let limit = self.text.config.context_length;
+        if context.len() >= limit {
+            return Err(OrchestratorError::InvalidArgument(format!(
+                "the prompt (with the session's earlier context) is {} tokens; the model's context holds {limit}",
+                context.len()
+            )));
+        }
+        let max_tokens = params.max_tokens.min(limit - context.len());
+        let outcome = self.run(&mut session, context, &params, max_tokens, sink).await;
+        let session_id = session.id.clone();
+        let result = outcome.map(|(context, mut response)| {
+            if let Some(mut history) = history {
+                history.push(specd_model::ChatMessage::new("assistant", response.text.clone()));
+                session.messages = history;
+            }
+            response.usage = Some(pb::Usage {
+                prompt_tokens: prompt_tokens as u32,
+                completion_tokens: response.token_ids.len() as u32,
+                context_tokens: context.len() as u32,
+            });
+            session.context = context;
+            response.session_id = session_id.clone();
+            response
+        });
+        drop(session);
+        self.sessions.touch(&session_id);
+        result
+    }
+
+    /// The full context for this request: the session's plus the new input. Chat input is
+    /// rendered with the model's template over the whole conversation.
+    #[allow(clippy::type_complexity)]
+    fn build_context(
+        &self,
+        session: &Session,
+        input: &Input,
+    ) -> Result<(Vec<u32>, usize, Option<Vec<specd_model::ChatMessage>>), OrchestratorError> {
+        let tokenizer = &self.text.tokenizer;
+        let encode = |text: &str| {
+            tokenizer
+                .encode(text)
+                .map_err(|e| OrchestratorError::InvalidArgument(format!("cannot tokenize the input: {e}")))
+        };
+        match input {
+            Input::Prompt(text) => {
+                let mut ids = encode(text)?;
+                if !session.context.is_empty() && ids.first().copied() == tokenizer.bos() {
+                    ids.remove(0); // a continuation does not restart the sequence
+                }
+                let mut context = session.context.clone();
+                let n = ids.len();
+                context.extend(ids);
+                Ok((context, n, None))
+            }
+            Input::Chat(messages) => {
+                let template = self.text.chat_template.as_ref().ok_or_else(|| {
+                    OrchestratorError::InvalidArgument("this model has no chat template; send a prompt".into())
+                })?;
+                let mut history = session.messages.clone();
+                history.extend(messages.iter().cloned());
+                let render = |m: &[specd_model::ChatMessage]| {
+                    template
+                        .render(m, true)
+                        .map_err(|e| OrchestratorError::InvalidArgument(e.to_string()))
+                };
+                if session.messages.is_empty() && !session.context.is_empty() {
+                    let ids = encode(&render(messages)?)?;
+                    let n = ids.len();
+                    let mut context = session.context.clone();
+                    context.extend(ids);
+                    return Ok((context, n, Some(history)));
+                }
+                let context = encode(&render(&history)?)?;
+                let n = context.len().saturating_sub(session.context.len());
+                Ok((context, n, Some(history)))
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        session: &mut Session,
+        mut context: Vec<u32>,
+        params: &GenerationParams,
+        max_tokens: usize,
+        sink: ChunkSink<'_>,
+    ) -> Result<(Vec<u32>, pb::GenerateResponse), OrchestratorError> {
+        let started = Instant::now();
+        let tokenizer = self.text.tokenizer.clone();
+        let vocab = self.text.config.vocab_size;
+        let greedy = params.sampling.is_greedy();
+        let mut sampler = Sampler::new(params.seed);
+        let mut decoder = tokenizer.stream_decoder();
+        let mut stop = StopMatcher::new(params.stop.clone());
+        let mut totals = Totals::default();
+        let mut generated: Vec<u32> = Vec::new();
+        let mut text = String::new();
+        let mut finish = pb::FinishReason::Length;
+        let mut k_sum = 0usize;
+        'steps: while generated.len() < max_tokens {
+            let remaining = max_tokens - generated.len();
+            let (draft, q) = self
+                .draft(session, &context, params, remaining - 1, &mut sampler, &mut totals)
+                .await;
+            k_sum += draft.len();
+            let request = pb::VerifyRequest {
+                session_id: session.id.clone(),
+                context: context.clone(),
+                draft: draft.clone(),
+                sampling: Some(sampling_to_proto(&params.sampling)),
+                mode: if greedy {
+                    pb::DistributionMode::Argmax
+                } else {
+                    pb::DistributionMode::Warped
+                } as i32,
+            };
+            totals.bytes_sent += request.encoded_len() as u64;
+            let verify_started = Instant::now();
+            let response = self
+                .verifier
+                .verify(request)
+                .await
+                .map_err(|s| OrchestratorError::downstream("verifier", s))?;
+            let verify_seconds = verify_started.elapsed().as_secs_f64();
+            self.costs.record_verify(draft.len(), verify_seconds);
+            totals.verify_seconds += verify_seconds;
+            totals.verifier_calls += 1;
+            totals.bytes_received += response.encoded_len() as u64;
+            if response.positions.len() != draft.len() + 1 {
+                return Err(OrchestratorError::Internal(format!(
+                    "verifier returned {} positions for {} drafts",
+                    response.positions.len(),
+                    draft.len()
+                )));
+            }
+            let p: Vec<SparseDist> = response
+                .positions
+                .iter()
+                .map(|d| distribution_from_proto(d, vocab))
+                .collect::<Result<_, _>>()
+                .map_err(|e| OrchestratorError::Internal(format!("verifier sent a bad distribution: {e}")))?;
+            let outcome = if greedy {
+                let target: Vec<u32> = p.iter().map(|d| d.ids[0]).collect();
+                accept_greedy(&draft, &target)
+            } else {
+                accept_sampled(&draft, &q, &p, &mut || sampler.uniform())
+            };
+            session.policy.record(draft.len(), outcome.accepted);
+            totals.proposed += draft.len() as u32;
+            totals.accepted += outcome.accepted as u32;
+            let mut chunk = pb::TokenChunk::default();
+            for token in outcome.tokens(&draft) {
+                context.push(token);
+                if tokenizer.is_end_of_generation(token) {
+                    finish = pb::FinishReason::Eos;
+                    break 'steps;
+                }
+                generated.push(token);
+                chunk.token_ids.push(token);
+                let piece = decoder
+                    .push(token)
+                    .map_err(|e| OrchestratorError::Internal(e.to_string()))?;
+                let check = stop.push(&piece);
+                chunk.text.push_str(&check.release);
+                text.push_str(&check.release);
+                if check.stopped {
+                    finish = pb::FinishReason::Stop;
+                    emit(sink, chunk).await;
+                    break 'steps;
+                }
+                if generated.len() >= max_tokens {
+                    break;
+                }
+            }
+            if !emit(sink, chunk).await {
+                finish = pb::FinishReason::Unspecified; // the client went away
+                break;
+            }
+        }
+        if finish != pb::FinishReason::Stop {
+            let rest = stop.finish();
+            if !rest.is_empty() {
+                text.push_str(&rest);
+                emit(
+                    sink,
+                    pb::TokenChunk {
+                        text: rest,
+                        token_ids: vec![],
+                    },
+                )
+                .await;
+            }
+        }
+        let decode_seconds = started.elapsed().as_secs_f64();
+        let stats = pb::SpeculationStats {
+            proposed: totals.proposed,
+            accepted: totals.accepted,
+            verifier_calls: totals.verifier_calls,
+            drafter_calls: totals.drafter_calls,
+            mean_accepted_length: generated.len() as f64 / f64::from(totals.verifier_calls.max(1)),
+            acceptance_rate: if totals.proposed == 0 {
+                0.0
+            } else {
+                f64::from(totals.accepted) / f64::from(totals.proposed)
+            },
+            bytes_sent: totals.bytes_sent,
+            bytes_received: totals.bytes_received,
+            draft_seconds: totals.draft_seconds,
+            verify_seconds: totals.verify_seconds,
+            decode_seconds,
+            tokens_per_second: generated.len() as f64 / decode_seconds.max(1e-9),
+            mean_k: if totals.drafted_steps == 0 {
+                0.0
+            } else {
+                k_sum as f64 / f64::from(totals.drafted_steps)
+            },
+        };
+        let response = pb::GenerateResponse {
+            session_id: String::new(),
+            text,
+            token_ids: generated,
+            finish_reason: finish as i32,
+            usage: None,
+            stats: Some(stats),
+        };
+        Ok((context, response))
+    }
+
+    /// Up to `cap` draft tokens and their q distributions; empty when speculation is off,
+    /// does not pay, or the drafter fails.
+    async fn draft(
+        &self,
+        session: &mut Session,
+        context: &[u32],
+        params: &GenerationParams,
+        cap: usize,
+        sampler: &mut Sampler,
+        totals: &mut Totals,
+    ) -> (Vec<u32>, Vec<SparseDist>) {
+        let cap = cap.min(params.max_k);
+        let Some(drafter) = self.drafter.as_ref().filter(|_| params.speculate && cap > 0) else {
+            session.policy.choose(0, &self.costs);
+            return (vec![], vec![]);
+        };
+        // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
+        // nearly free, so it proposes the most and K is chosen from what it found.
+        let per_token = params.drafter == Drafter::Lm;
+        let ask = if per_token && !params.fixed_k {
+            session.policy.choose(cap, &self.costs)
+        } else {
+            cap
+        };
+        if ask == 0 {
+            return (vec![], vec![]);
+        }
+        let request = pb::ProposeRequest {
+            session_id: session.id.clone(),
+            context: context.to_vec(),
+            max_tokens: ask as u32,
+            kind: match params.drafter {
+                Drafter::Ngram => pb::DrafterKind::Ngram,
+                Drafter::Lm => pb::DrafterKind::Lm,
+            } as i32,
+            sampling: Some(sampling_to_proto(&params.sampling)),
+            seed: (sampler.uniform() * u64::MAX as f64) as u64,
+        };
+        totals.bytes_sent += request.encoded_len() as u64;
+        let started = Instant::now();
+        let result = drafter.propose(request).await;
+        let seconds = started.elapsed().as_secs_f64();
+        totals.draft_seconds += seconds;
+        totals.drafter_calls += 1;
+        let response = match result {
+            Ok(r) => r,
+            Err(status) => {
+                tracing::warn!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
+                return (vec![], vec![]);
+            }
+        };
+        totals.bytes_received += response.encoded_len() as u64;
+        self.costs.record_draft(response.tokens.len(), seconds, per_token);
+        let vocab = self.text.config.vocab_size;
+        let qs: Result<Vec<SparseDist>, String> =
+            response.q.iter().map(|d| distribution_from_proto(d, vocab)).collect();
+        let valid = response.tokens.len() <= ask
+            && response.q.len() == response.tokens.len()
+            && response.tokens.iter().all(|&t| (t as usize) < vocab);
+        let qs = match (valid, qs) {
+            (true, Ok(qs)) => qs,
+            _ => {
+                tracing::warn!("drafter sent an inconsistent proposal; decoding this step without drafts");
+                return (vec![], vec![]);
+            }
+        };
+        let k = if params.fixed_k || per_token {
+            response.tokens.len()
+        } else {
+            session.policy.choose(response.tokens.len(), &self.costs)
+        };
+        if k > 0 {
+            totals.drafted_steps += 1;
+        }
+        (response.tokens[..k].to_vec(), qs[..k].to_vec())
+    }
+}
+
+/// Sends a non-empty chunk to a streaming client; false when the client has gone.
+async fn emit(sink: ChunkSink<'_>, chunk: pb::TokenChunk) -> bool {
+    match sink {
+        Some(tx) if !chunk.text.is_empty() || !chunk.token_ids.is_empty() => tx.send(chunk).await.is_ok(),
+        Some(tx) => !tx.is_closed(),
+        None => true,
+    }
+}

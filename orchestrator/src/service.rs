@@ -1,0 +1,73 @@
+//! The public `specd.v1.Orchestrator` gRPC service over the [`Generator`].
+
+use std::sync::Arc;
+
+use specd_proto::v1 as pb;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::generate::Generator;
+
+#[derive(Clone)]
+pub struct OrchestratorService {
+    generator: Arc<Generator>,
+}
+
+impl OrchestratorService {
+    pub fn new(generator: Arc<Generator>) -> Self {
+        Self { generator }
+    }
+}
+
+#[tonic::async_trait]
+impl specd_proto::Orchestrator for OrchestratorService {
+    #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id))]
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+        let response = self.generator.generate(request.get_ref(), None).await?;
+        Ok(Response::new(response))
+    }
+
+    type GenerateStreamStream = ReceiverStream<Result<pb::GenerateStreamResponse, Status>>;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStreamStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let (chunk_tx, mut chunk_rx) = tokio::sync::mpsc::channel::<pb::TokenChunk>(64);
+        let generator = self.generator.clone();
+        let request = request.into_inner();
+        let events = tx.clone();
+        // Chunks become stream events; when the client goes, the forwarder stops and the
+        // generation sees a closed channel and ends.
+        let forward = tokio::spawn(async move {
+            while let Some(chunk) = chunk_rx.recv().await {
+                let event = pb::GenerateStreamResponse {
+                    event: Some(pb::generate_stream_response::Event::Chunk(chunk)),
+                };
+                if events.send(Ok(event)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            let result = generator.generate(&request, Some(&chunk_tx)).await;
+            drop(chunk_tx);
+            let _ = forward.await;
+            let last = result.map(|done| pb::GenerateStreamResponse {
+                event: Some(pb::generate_stream_response::Event::Done(done)),
+            });
+            let _ = tx.send(last.map_err(Status::from)).await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn info(&self, _request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let info = self.generator.verifier.info().await?;
+        Ok(Response::new(pb::InfoResponse {
+            model: info.model,
+            capabilities: vec!["generate".into(), "generate_stream".into()],
+            version: env!("CARGO_PKG_VERSION").into(),
+        }))
+    }
+}

@@ -1,0 +1,1 @@
+//! Helpers for specd's end-to-end tests.

@@ -1,0 +1,84 @@
+//! `verifier-svc`: loads the target model and serves `specd.v1.Verifier` with health and
+//! reflection. Health stays NOT_SERVING until the model is loaded and has run a warm-up pass.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use specd_common::model_args::ModelArgs;
+use specd_common::serve::{Health, reflection, shutdown_signal};
+use specd_model::ScoreRequest;
+use specd_proto::VerifierServer;
+use specd_verifier::{VerifierCore, VerifierService};
+use tonic::transport::server::TcpIncoming;
+
+#[derive(Debug, Parser)]
+#[command(name = "verifier-svc", version, about = "specd verifier: target-model scoring over gRPC")]
+struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50052")]
+    listen: SocketAddr,
+    /// Name this replica reports in responses (default: the listen address).
+    #[arg(long, env = "SPECD_REPLICA_NAME")]
+    replica_name: Option<String>,
+    /// Log one JSON object per line instead of text.
+    #[arg(long, env = "SPECD_LOG_JSON")]
+    log_json: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    let config = Config::parse();
+    config.model.apply_threads();
+    specd_common::telemetry::init_telemetry("verifier-svc", config.log_json);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(config))
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    let (health, health_service) = Health::new("specd.v1.Verifier").await;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.listen))?;
+    let local = listener.local_addr()?;
+    let replica = config.replica_name.clone().unwrap_or_else(|| local.to_string());
+    // Serve health while the model loads, so orchestrators see NOT_SERVING, not a refusal.
+    let model_args = config.model.clone();
+    let loading = tokio::task::spawn_blocking(move || model_args.load());
+    let service = VerifierService::default();
+    let server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection().map_err(anyhow::Error::msg)?)
+        .add_service(VerifierServer::new(service.clone()).max_decoding_message_size(64 << 20))
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal());
+    let server = tokio::spawn(server);
+    tracing::info!(%local, "verifier listening; loading model");
+    let loaded = loading.await?.context("cannot load the model")?;
+    warm_up(&loaded.engine).await?;
+    let core = Arc::new(VerifierCore::new(loaded.engine.clone(), replica));
+    service.set_core(core.clone());
+    health.set(true).await;
+    tracing::info!(model = %core.model().name, "verifier serving");
+    server.await??;
+    tracing::info!("verifier stopped");
+    Ok(())
+}
+
+async fn warm_up(engine: &specd_model::Engine) -> anyhow::Result<()> {
+    let sequence = "__warmup__".to_string();
+    engine
+        .score(ScoreRequest {
+            sequence: sequence.clone(),
+            context: vec![0; 8],
+            logits_from: 0,
+        })
+        .await
+        .context("warm-up pass failed")?;
+    engine.release(&sequence);
+    Ok(())
+}
+
