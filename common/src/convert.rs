@@ -57,7 +57,11 @@ pub fn distribution_from_proto(dist: &pb::Distribution, vocab: usize) -> Result<
         Some(Repr::Point(id)) => SparseDist::point(*id),
         Some(Repr::Sparse(s)) => {
             if s.ids.len() != s.probs.len() || s.ids.is_empty() {
-                return Err(format!("sparse distribution has {} ids and {} probs", s.ids.len(), s.probs.len()));
+                return Err(format!(
+                    "sparse distribution has {} ids and {} probs",
+                    s.ids.len(),
+                    s.probs.len()
+                ));
             }
             SparseDist {
                 ids: s.ids.clone(),
@@ -66,10 +70,19 @@ pub fn distribution_from_proto(dist: &pb::Distribution, vocab: usize) -> Result<
         }
         Some(Repr::Dense(d)) => {
             if d.values.len() != vocab {
-                return Err(format!("dense distribution has {} values for a vocabulary of {vocab}", d.values.len()));
+                return Err(format!(
+                    "dense distribution has {} values for a vocabulary of {vocab}",
+                    d.values.len()
+                ));
             }
-            let mut ids: Vec<u32> = (0..vocab as u32).filter(|&i| d.values[i as usize] > 0.0).collect();
-            ids.sort_by(|a, b| d.values[*b as usize].total_cmp(&d.values[*a as usize]).then(a.cmp(b)));
+            let mut ids: Vec<u32> = (0..vocab as u32)
+                .filter(|&i| d.values[i as usize] > 0.0)
+                .collect();
+            ids.sort_by(|a, b| {
+                d.values[*b as usize]
+                    .total_cmp(&d.values[*a as usize])
+                    .then(a.cmp(b))
+            });
             let probs = ids.iter().map(|&i| d.values[i as usize]).collect();
             SparseDist { ids, probs }
         }
@@ -128,7 +141,8 @@ mod tests {
     fn invalid_distributions_are_refused() {
         use pb::distribution::Repr;
         let wire = |repr| pb::Distribution { repr: Some(repr) };
-        let sparse = |ids: Vec<u32>, probs: Vec<f32>| wire(Repr::Sparse(pb::SparseDistribution { ids, probs }));
+        let sparse =
+            |ids: Vec<u32>, probs: Vec<f32>| wire(Repr::Sparse(pb::SparseDistribution { ids, probs }));
         assert!(distribution_from_proto(&pb::Distribution { repr: None }, 10).is_err());
         assert!(distribution_from_proto(&wire(Repr::Point(10)), 10).is_err());
         assert!(distribution_from_proto(&sparse(vec![1], vec![0.5, 0.5]), 10).is_err());
@@ -136,7 +150,11 @@ mod tests {
         assert!(distribution_from_proto(&sparse(vec![1, 2], vec![f32::NAN, 1.0]), 10).is_err());
         assert!(distribution_from_proto(&sparse(vec![1, 2], vec![-0.5, 1.5]), 10).is_err());
         assert!(
-            distribution_from_proto(&wire(Repr::Dense(pb::DenseDistribution { values: vec![1.0; 3] })), 10).is_err()
+            distribution_from_proto(
+                &wire(Repr::Dense(pb::DenseDistribution { values: vec![1.0; 3] })),
+                10
+            )
+            .is_err()
         );
     }
 

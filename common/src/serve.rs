@@ -38,9 +38,10 @@ impl Health {
 }
 
 /// gRPC reflection (v1) over every specd.v1 service.
-pub fn reflection()
--> Result<tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>, String>
-{
+pub fn reflection() -> Result<
+    tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>,
+    String,
+> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(specd_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

@@ -28,7 +28,9 @@ impl DrafterCore {
 
     /// The LM drafter's model identity, if it has one (the n-gram drafter works on any ids).
     pub fn identity(&self) -> Option<pb::ModelIdentity> {
-        self.lm.as_ref().map(|lm| specd_common::convert::identity_of(lm.engine().info()))
+        self.lm
+            .as_ref()
+            .map(|lm| specd_common::convert::identity_of(lm.engine().info()))
     }
 
     pub fn capabilities(&self) -> Vec<String> {
@@ -68,7 +70,9 @@ impl DrafterCore {
             pb::DrafterKind::Lm => {
                 let lm = self.lm.as_ref().ok_or(DrafterError::KindUnavailable("lm"))?;
                 if request.session_id.is_empty() || request.session_id.len() > 256 {
-                    return Err(DrafterError::InvalidArgument("session_id must be 1 to 256 bytes".into()));
+                    return Err(DrafterError::InvalidArgument(
+                        "session_id must be 1 to 256 bytes".into(),
+                    ));
                 }
                 let sampling = sampling_from_proto(request.sampling.as_ref());
                 sampling
@@ -81,7 +85,10 @@ impl DrafterCore {
                 (tokens, qs, confidence, 0)
             }
         };
-        let vocab = self.lm.as_ref().map_or(usize::MAX, |lm| lm.engine().info().vocab_size);
+        let vocab = self
+            .lm
+            .as_ref()
+            .map_or(usize::MAX, |lm| lm.engine().info().vocab_size);
         Ok(pb::ProposeResponse {
             tokens,
             q: qs.iter().map(|q| distribution_to_proto(q, vocab)).collect(),

@@ -3,9 +3,9 @@
 //! it). In sampling mode each token is drawn from q, the drafter's distribution warped with
 //! the target's parameters, and q is returned so acceptance stays exact.
 
+use rand::Rng;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand::Rng;
 use specd_model::{Engine, SamplingParams, ScoreRequest, SparseDist, argmax, warp};
 
 use crate::error::DrafterError;

@@ -13,7 +13,11 @@ use specd_proto::DrafterServer;
 use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
-#[command(name = "drafter-svc", version, about = "specd drafter: draft tokens over gRPC")]
+#[command(
+    name = "drafter-svc",
+    version,
+    about = "specd drafter: draft tokens over gRPC"
+)]
 struct Config {
     /// Address to listen on.
     #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50051")]

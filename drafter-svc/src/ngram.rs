@@ -104,7 +104,14 @@ mod tests {
     #[test]
     fn respects_min_n() {
         let context = [4, 1, 2, 8, 2];
-        assert!(propose(&context, 3, NgramConfig { max_n: 3, min_n: 2 }).tokens.is_empty());
-        assert_eq!(propose(&context, 3, NgramConfig { max_n: 3, min_n: 1 }).tokens, vec![8, 2]);
+        assert!(
+            propose(&context, 3, NgramConfig { max_n: 3, min_n: 2 })
+                .tokens
+                .is_empty()
+        );
+        assert_eq!(
+            propose(&context, 3, NgramConfig { max_n: 3, min_n: 1 }).tokens,
+            vec![8, 2]
+        );
     }
 }

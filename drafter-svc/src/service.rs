@@ -34,7 +34,10 @@ impl DrafterService {
 #[tonic::async_trait]
 impl specd_proto::Drafter for DrafterService {
     #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id, k = request.get_ref().max_tokens))]
-    async fn propose(&self, request: Request<pb::ProposeRequest>) -> Result<Response<pb::ProposeResponse>, Status> {
+    async fn propose(
+        &self,
+        request: Request<pb::ProposeRequest>,
+    ) -> Result<Response<pb::ProposeResponse>, Status> {
         Ok(Response::new(self.core()?.propose(request.into_inner()).await?))
     }
 

@@ -79,11 +79,8 @@ mod tests {
     #[test]
     fn renders_chatml_with_default_system_prompt() {
         let template =
-            ChatTemplate::new(SMOLLM2_TEMPLATE, "<|im_start|>".into(), "<|im_end|>".into())
-                .unwrap();
-        let text = template
-            .render(&[ChatMessage::new("user", "Hi")], true)
-            .unwrap();
+            ChatTemplate::new(SMOLLM2_TEMPLATE, "<|im_start|>".into(), "<|im_end|>".into()).unwrap();
+        let text = template.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
         assert_eq!(
             text,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

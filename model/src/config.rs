@@ -60,8 +60,7 @@ impl LlamaConfig {
             head_dim,
             rope_dim,
             rope_theta: optional_f32(content, &key("rope.freq_base"))?.unwrap_or(10_000.0),
-            rms_eps: optional_f32(content, &key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5) as f64,
+            rms_eps: optional_f32(content, &key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f64,
             context_length: optional_usize(content, &key("context_length"))?.unwrap_or(2048),
             vocab_size,
         })
@@ -74,9 +73,7 @@ impl LlamaConfig {
 }
 
 fn metadata_err(key: &str) -> ModelError {
-    ModelError::Metadata {
-        key: key.to_string(),
-    }
+    ModelError::Metadata { key: key.to_string() }
 }
 
 pub(crate) fn string(content: &Content, key: &str) -> Result<String> {

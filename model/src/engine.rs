@@ -139,7 +139,11 @@ fn text_model(file: &GgufFile) -> Result<TextModel> {
         Ok(source) => {
             let token = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
             let eos = tokenizer.end_of_generation().first().copied();
-            Some(Arc::new(ChatTemplate::new(&source, token(tokenizer.bos()), token(eos))?))
+            Some(Arc::new(ChatTemplate::new(
+                &source,
+                token(tokenizer.bos()),
+                token(eos),
+            )?))
         }
         Err(_) => None,
     };
@@ -171,7 +175,9 @@ pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
     let config = llama.config().clone();
     let info = ModelInfo {
         name: string(&file.content, "general.name").unwrap_or_else(|_| {
-            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
         }),
         architecture: string(&file.content, "general.architecture")?,
         tokenizer_identity: tokenizer.identity().to_string(),
@@ -337,10 +343,7 @@ impl Worker {
     }
 
     #[allow(clippy::type_complexity)]
-    fn plan(
-        &mut self,
-        request: ScoreRequest,
-    ) -> Result<(String, KvCache, Vec<u32>, Vec<usize>, usize)> {
+    fn plan(&mut self, request: ScoreRequest) -> Result<(String, KvCache, Vec<u32>, Vec<usize>, usize)> {
         let cfg = self.llama.config();
         let len = request.context.len();
         if request.logits_from >= len {
@@ -355,11 +358,7 @@ impl Worker {
                 limit: cfg.context_length,
             });
         }
-        if let Some(&id) = request
-            .context
-            .iter()
-            .find(|&&id| id as usize >= cfg.vocab_size)
-        {
+        if let Some(&id) = request.context.iter().find(|&&id| id as usize >= cfg.vocab_size) {
             return Err(ModelError::TokenOutOfRange {
                 id,
                 vocab: cfg.vocab_size,
@@ -370,9 +369,7 @@ impl Worker {
             None => self.llama.new_cache()?,
         };
         // Positions that need logits must be recomputed, even if cached.
-        let keep = cache
-            .common_prefix_len(&request.context)
-            .min(request.logits_from);
+        let keep = cache.common_prefix_len(&request.context).min(request.logits_from);
         cache.truncate(keep);
         let new_tokens = request.context[keep..].to_vec();
         let logits_at = (request.logits_from - keep..len - keep).collect();
@@ -421,9 +418,7 @@ impl Worker {
                     // The cache may hold partial writes beyond its committed length, which
                     // the next use overwrites; it stays consistent.
                     self.cache.put(planned.sequence, planned.cache);
-                    let _ = planned
-                        .reply
-                        .send(Err(ModelError::Forward(message.clone())));
+                    let _ = planned.reply.send(Err(ModelError::Forward(message.clone())));
                 }
             }
         }

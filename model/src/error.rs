@@ -6,10 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("cannot open model file {path}: {source}")]
-    Open {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Open { path: PathBuf, source: std::io::Error },
     #[error("{path} is not a readable GGUF file: {reason}")]
     InvalidGguf { path: PathBuf, reason: String },
     #[error(

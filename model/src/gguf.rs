@@ -89,12 +89,7 @@ impl GgufFile {
 
     /// Reads a tensor, checking its type is supported and, when given, its shape
     /// (in candle's row-major order, i.e. GGUF dims reversed).
-    pub fn tensor(
-        &mut self,
-        name: &str,
-        expected: Option<&[usize]>,
-        device: &Device,
-    ) -> Result<QTensor> {
+    pub fn tensor(&mut self, name: &str, expected: Option<&[usize]>, device: &Device) -> Result<QTensor> {
         let info = self
             .content
             .tensor_infos

@@ -13,16 +13,43 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 
+/// A weight matrix whose product with a batch of rows gives each row exactly the result it
+/// would get alone. candle's quantized kernels already work row by row; dense (f32/f16)
+/// weights go through a general matmul whose summation order depends on the batch shape, so
+/// they are applied one row at a time.
+struct Linear {
+    inner: QMatMul,
+    dense: bool,
+}
+
+impl Linear {
+    fn new(inner: QMatMul) -> Self {
+        let dense = !matches!(inner, QMatMul::QTensor(_));
+        Self { inner, dense }
+    }
+
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = x.dim(0)?;
+        if !self.dense || rows == 1 {
+            return self.inner.forward(x);
+        }
+        let outs = (0..rows)
+            .map(|r| self.inner.forward(&x.narrow(0, r, 1)?))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::cat(&outs, 0)
+    }
+}
+
 struct Block {
     attn_norm: Tensor,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
     ffn_norm: Tensor,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    w_gate: Linear,
+    w_up: Linear,
+    w_down: Linear,
 }
 
 /// A loaded llama model. Immutable: all per-sequence state is in [`KvCache`].
@@ -31,7 +58,7 @@ pub struct Llama {
     token_embd: Arc<QTensor>,
     blocks: Vec<Block>,
     output_norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: Linear,
     rope_cos: Tensor,
     rope_sin: Tensor,
     device: Device,
@@ -51,30 +78,22 @@ impl Llama {
         let cfg = LlamaConfig::from_gguf(&file.content)?;
         let (d, ff, hd) = (cfg.n_embd, cfg.n_ff, cfg.head_dim);
         let kv = cfg.n_head_kv * hd;
-        let token_embd =
-            Arc::new(file.tensor("token_embd.weight", Some(&[cfg.vocab_size, d]), device)?);
-        let lm_head = if file.has_tensor("output.weight") {
-            QMatMul::from_qtensor(file.tensor(
-                "output.weight",
-                Some(&[cfg.vocab_size, d]),
-                device,
-            )?)?
+        let token_embd = Arc::new(file.tensor("token_embd.weight", Some(&[cfg.vocab_size, d]), device)?);
+        let lm_head = Linear::new(if file.has_tensor("output.weight") {
+            QMatMul::from_qtensor(file.tensor("output.weight", Some(&[cfg.vocab_size, d]), device)?)?
         } else {
             // Tied embeddings: the LM head is the embedding matrix.
             QMatMul::from_arc(token_embd.clone())?
-        };
+        });
         let vector = |file: &mut GgufFile, name: &str| -> Result<Tensor> {
             Ok(file.tensor(name, Some(&[d]), device)?.dequantize(device)?)
         };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
-            let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<QMatMul> {
-                Ok(QMatMul::from_qtensor(file.tensor(
-                    &format!("{p}.{name}.weight"),
-                    Some(&[rows, cols]),
-                    device,
-                )?)?)
+            let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
+                let t = file.tensor(&format!("{p}.{name}.weight"), Some(&[rows, cols]), device)?;
+                Ok(Linear::new(QMatMul::from_qtensor(t)?))
             };
             let wq = matrix("attn_q", d, d)?;
             let wk = matrix("attn_k", kv, d)?;
@@ -129,10 +148,7 @@ impl Llama {
         for step in steps.iter_mut() {
             step.cache.reserve(step.tokens.len())?;
         }
-        let all_tokens: Vec<u32> = steps
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
+        let all_tokens: Vec<u32> = steps.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut x = self.token_embd.embedding(&ids)?; // [T, d]
         let eps = self.cfg.rms_eps as f32;
@@ -158,8 +174,7 @@ impl Llama {
             let attn = Tensor::cat(&outputs, 0)?;
             x = (x + block.wo.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
-            let gated =
-                (candle_nn::ops::silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
+            let gated = (candle_nn::ops::silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
             x = (x + block.w_down.forward(&gated)?)?;
         }
         // Only the requested rows go through the final norm and the (large) LM head.
@@ -189,15 +204,9 @@ impl Llama {
     fn validate(&self, steps: &[SequenceStep<'_>]) -> Result<()> {
         for step in steps {
             if step.tokens.is_empty() {
-                return Err(ModelError::InvalidRequest(
-                    "a sequence step has no tokens".into(),
-                ));
+                return Err(ModelError::InvalidRequest("a sequence step has no tokens".into()));
             }
-            if let Some(&id) = step
-                .tokens
-                .iter()
-                .find(|&&id| id as usize >= self.cfg.vocab_size)
-            {
+            if let Some(&id) = step.tokens.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
                 return Err(ModelError::TokenOutOfRange {
                     id,
                     vocab: self.cfg.vocab_size,
@@ -215,22 +224,18 @@ impl Llama {
 
     /// Causal self-attention of `n` new rows of one sequence against its cache.
     /// `q`: `[n, n_head*hd]`, `k`/`v`: `[n, n_head_kv*hd]`; returns `[n, n_head*hd]`.
-    fn attention(
-        &self,
-        layer: usize,
-        cache: &KvCache,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
+    ///
+    /// Each query row is computed on its own, against exactly the keys it may see, with the
+    /// same shapes whether it arrives alone (decode) or with others (prompt, draft
+    /// verification). So a row's result does not depend on how tokens were grouped into
+    /// passes: verifying K drafts in one pass gives bit-identical logits to decoding them one
+    /// by one, and a replica that rebuilds a cache in one pass gets the same cache.
+    fn attention(&self, layer: usize, cache: &KvCache, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (n, hd) = (q.dim(0)?, cfg.head_dim);
         let start = cache.len();
         let group = cfg.n_head / cfg.n_head_kv;
-        let q = q
-            .reshape((1, n, cfg.n_head, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let q = q.reshape((1, n, cfg.n_head, hd))?.transpose(1, 2)?.contiguous()?;
         let k = k
             .reshape((1, n, cfg.n_head_kv, hd))?
             .transpose(1, 2)?
@@ -238,35 +243,23 @@ impl Llama {
         let v = v.reshape((n, cfg.n_head_kv, hd))?.transpose(0, 1)?;
         let (q, k) = self.apply_rope(&q, &k, start, n)?;
         let (keys, values) = cache.write_layer(layer, start, &k.squeeze(0)?, &v)?;
-        let total = start + n;
         // Query heads sharing a KV head are stacked so one matmul serves the whole group.
-        let q = q.reshape((cfg.n_head_kv, group * n, hd))?;
+        let q = q.reshape((cfg.n_head_kv, group, n, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let scores = (q.matmul(&keys.contiguous()?.t()?)? * scale)?; // [kv, group*n, total]
-        let scores = if n > 1 {
-            let mask = causal_mask(n, start, &self.device)?; // [n, total]
-            scores
-                .reshape((cfg.n_head_kv, group, n, total))?
-                .broadcast_add(&mask)?
-                .reshape((cfg.n_head_kv, group * n, total))?
-        } else {
-            scores
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&values.contiguous()?)?; // [kv, group*n, hd]
-        Ok(out
-            .reshape((cfg.n_head, n, hd))?
-            .transpose(0, 1)?
-            .reshape((n, cfg.n_head * hd))?)
+        let mut rows = Vec::with_capacity(n);
+        for i in 0..n {
+            let visible = start + i + 1;
+            let q_i = q.narrow(2, i, 1)?.reshape((cfg.n_head_kv, group, hd))?;
+            let keys_t = keys.narrow(1, 0, visible)?.t()?; // [kv, hd, visible], no copy
+            let scores = (q_i.matmul(&keys_t)? * scale)?; // [kv, group, visible]
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let out = probs.matmul(&values.narrow(1, 0, visible)?)?; // [kv, group, hd]
+            rows.push(out.reshape((1, cfg.n_head * hd))?);
+        }
+        Ok(Tensor::cat(&rows, 0)?)
     }
 
-    fn apply_rope(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        start: usize,
-        n: usize,
-    ) -> Result<(Tensor, Tensor)> {
+    fn apply_rope(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
         let cos = self.rope_cos.narrow(0, start, n)?;
         let sin = self.rope_sin.narrow(0, start, n)?;
         let rd = self.cfg.rope_dim;
@@ -275,33 +268,13 @@ impl Llama {
                 return Ok(candle_nn::rotary_emb::rope_i(x, &cos, &sin)?);
             }
             // Partial rotary: only the first `rope_dim` dims of each head rotate.
-            let rotated = candle_nn::rotary_emb::rope_i(
-                &x.narrow(D::Minus1, 0, rd)?.contiguous()?,
-                &cos,
-                &sin,
-            )?;
+            let rotated =
+                candle_nn::rotary_emb::rope_i(&x.narrow(D::Minus1, 0, rd)?.contiguous()?, &cos, &sin)?;
             let rest = x.narrow(D::Minus1, rd, self.cfg.head_dim - rd)?;
             Ok(Tensor::cat(&[&rotated, &rest], D::Minus1)?.contiguous()?)
         };
         Ok((rotate(q)?, rotate(k)?))
     }
-}
-
-/// `[n, start + n]` additive mask: query `i` (position `start + i`) sees keys `0..=start + i`.
-fn causal_mask(n: usize, start: usize, device: &Device) -> Result<Tensor> {
-    let total = start + n;
-    let mask: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            (0..total).map(move |j| {
-                if j > start + i {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    Ok(Tensor::from_vec(mask, (n, total), device)?)
 }
 
 /// Interleaved (GPT-J style) rotary tables, the layout llama.cpp's GGUF conversion expects.

@@ -119,11 +119,7 @@ pub fn warp(logits: &[f32], params: &SamplingParams) -> SparseDist {
         return SparseDist::point(argmax(logits));
     }
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
     if params.top_k > 0 && params.top_k < order.len() {
         order.select_nth_unstable_by(params.top_k - 1, by_logit);
         order.truncate(params.top_k);
@@ -150,10 +146,7 @@ pub fn warp(logits: &[f32], params: &SamplingParams) -> SparseDist {
     let kept_total: f64 = weights[..keep].iter().sum();
     let mut ids = order;
     ids.truncate(keep);
-    let probs: Vec<f32> = weights[..keep]
-        .iter()
-        .map(|w| (w / kept_total) as f32)
-        .collect();
+    let probs: Vec<f32> = weights[..keep].iter().map(|w| (w / kept_total) as f32).collect();
     // Tokens whose mass underflowed carry nothing; drop them so the support is exact.
     let nonzero = probs.iter().rposition(|&p| p > 0.0).map_or(1, |i| i + 1);
     ids.truncate(nonzero);
@@ -246,9 +239,7 @@ mod tests {
         };
         let mut sampler = Sampler::new(1);
         let n = 40_000;
-        let sevens = (0..n)
-            .filter(|_| d.sample_with(sampler.uniform()) == 7)
-            .count();
+        let sevens = (0..n).filter(|_| d.sample_with(sampler.uniform()) == 7).count();
         // Binomial sd = sqrt(n * .75 * .25) ≈ 87; 6 sd ≈ 520 (false failure < 1e-8).
         assert!((sevens as i64 - 30_000).abs() < 520, "{sevens}");
     }
@@ -259,9 +250,7 @@ mod tests {
         let p = params(0.8, 40, 0.95);
         let draw = |seed| {
             let mut s = Sampler::new(seed);
-            (0..20)
-                .map(|_| s.next_token(&logits, &p))
-                .collect::<Vec<_>>()
+            (0..20).map(|_| s.next_token(&logits, &p)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));

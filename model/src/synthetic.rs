@@ -66,8 +66,7 @@ fn byte_chars() -> Vec<char> {
     let mut out = vec!['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         out[b as usize] = if printable {
             char::from_u32(b).unwrap_or('?')
         } else {
@@ -143,9 +142,7 @@ pub fn tiny_llama_bytes(spec: &SyntheticSpec) -> Result<Vec<u8>> {
         norms.push(format!("blk.{i}.ffn_norm.weight"));
     }
     for name in norms {
-        let data: Vec<f32> = (0..d)
-            .map(|_| 1.0 + rng.random_range(-0.1f32..0.1))
-            .collect();
+        let data: Vec<f32> = (0..d).map(|_| 1.0 + rng.random_range(-0.1f32..0.1)).collect();
         let t = Tensor::from_vec(data, d, &Device::Cpu)?;
         tensors.push((name, QTensor::quantize(&t, GgmlDType::F32)?));
     }
@@ -160,10 +157,7 @@ pub fn tiny_llama_bytes(spec: &SyntheticSpec) -> Result<Vec<u8>> {
             "general.name".into(),
             Value::String("specd synthetic llama".into()),
         ),
-        (
-            format!("{arch}.block_count"),
-            Value::U32(spec.n_layer as u32),
-        ),
+        (format!("{arch}.block_count"), Value::U32(spec.n_layer as u32)),
         (
             format!("{arch}.context_length"),
             Value::U32(spec.context_length as u32),
@@ -199,8 +193,7 @@ pub fn tiny_llama_bytes(spec: &SyntheticSpec) -> Result<Vec<u8>> {
             Value::String(CHAT_TEMPLATE.into()),
         ),
     ];
-    let metadata_refs: Vec<(&str, &Value)> =
-        metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let metadata_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut out = Cursor::new(Vec::new());
     gguf_file::write(&mut out, &metadata_refs, &tensor_refs)?;

@@ -17,8 +17,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::{
-    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
-    Tokenizer,
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
 
 use crate::config::{optional_bool, optional_usize, string};
@@ -29,8 +28,7 @@ const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// llama.cpp's GPT-2 word split, shared by several pre-tokenizer families.
-const GPT2_SPLIT: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's split (digits in groups of up to three).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen 2's split (single digits).
@@ -58,8 +56,7 @@ impl TextTokenizer {
         let mut inner = match model.as_str() {
             "gpt2" => {
                 let merges = string_array(content, "tokenizer.ggml.merges")?;
-                let pre =
-                    string(content, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
+                let pre = string(content, "tokenizer.ggml.pre").unwrap_or_else(|_| "default".into());
                 byte_level_bpe(&tokens, &merges, &pre)?
             }
             "llama" => sentencepiece_bpe(&tokens, content)?,
@@ -79,14 +76,11 @@ impl TextTokenizer {
             .add_special_tokens(special)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
 
-        let id = |key: &str| -> Result<Option<u32>> {
-            Ok(optional_usize(content, key)?.map(|v| v as u32))
-        };
+        let id = |key: &str| -> Result<Option<u32>> { Ok(optional_usize(content, key)?.map(|v| v as u32)) };
         let bos = id("tokenizer.ggml.bos_token_id")?;
         let eos = id("tokenizer.ggml.eos_token_id")?;
         let eot = id("tokenizer.ggml.eot_token_id")?;
-        let add_bos =
-            optional_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(model == "llama");
+        let add_bos = optional_bool(content, "tokenizer.ggml.add_bos_token")?.unwrap_or(model == "llama");
         // Like llama.cpp, any of the well-known end markers ends generation, not only eos.
         let mut end_of_generation: Vec<u32> = eos.into_iter().chain(eot).collect();
         for marker in [
@@ -342,9 +336,7 @@ fn sentencepiece_bpe(tokens: &[String], content: &Content) -> Result<Tokenizer> 
     let mut tokenizer = Tokenizer::new(bpe);
     let normalizer = NormalizerSequence::new(vec![
         NormalizerWrapper::from(Prepend::new("▁".into())),
-        NormalizerWrapper::from(
-            Replace::new(" ", "▁").map_err(|e| ModelError::Tokenizer(e.to_string()))?,
-        ),
+        NormalizerWrapper::from(Replace::new(" ", "▁").map_err(|e| ModelError::Tokenizer(e.to_string()))?),
     ]);
     tokenizer
         .with_normalizer(Some(normalizer))

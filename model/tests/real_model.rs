@@ -70,8 +70,7 @@ fn tokenizer_matches_llama_cpp_on_every_fixture_string() {
         .iter()
         .filter_map(|case| {
             let ours = tokenizer.encode(&case.text).unwrap();
-            (ours != case.ids)
-                .then(|| format!("{:?}: ours {ours:?}, llama.cpp {:?}", case.text, case.ids))
+            (ours != case.ids).then(|| format!("{:?}: ours {ours:?}, llama.cpp {:?}", case.text, case.ids))
         })
         .collect();
     assert!(
@@ -151,10 +150,7 @@ fn llama_cpp_greedy_continuations_are_greedy_under_our_model() {
         }
     }
     eprintln!("llama.cpp's greedy token is our argmax at {argmax_agree}/{positions} positions");
-    assert!(
-        argmax_agree * 10 >= positions * 9,
-        "{argmax_agree}/{positions}"
-    );
+    assert!(argmax_agree * 10 >= positions * 9, "{argmax_agree}/{positions}");
 }
 
 /// Free-running greedy decoding, one token per forward pass (the incremental cache path):

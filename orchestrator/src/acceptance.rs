@@ -27,7 +27,11 @@ impl StepOutcome {
 /// Greedy acceptance. `target[i]` is the target's argmax after `context + draft[..i]`;
 /// `target.len() == draft.len() + 1`.
 pub fn accept_greedy(draft: &[u32], target: &[u32]) -> StepOutcome {
-    assert_eq!(target.len(), draft.len() + 1, "one target token per draft position plus one");
+    assert_eq!(
+        target.len(),
+        draft.len() + 1,
+        "one target token per draft position plus one"
+    );
     let accepted = draft.iter().zip(target).take_while(|(d, t)| d == t).count();
     StepOutcome {
         accepted,

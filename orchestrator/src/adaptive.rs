@@ -238,6 +238,10 @@ mod tests {
             model.record_verify(0, 0.010);
             model.record_verify(4, 0.030);
         }
-        assert!((model.relative_token_cost() - 0.5).abs() < 0.05, "{}", model.relative_token_cost());
+        assert!(
+            (model.relative_token_cost() - 0.5).abs() < 0.05,
+            "{}",
+            model.relative_token_cost()
+        );
     }
 }

@@ -83,9 +83,17 @@ fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
 
 /// Runs a call under a local deadline too (the server may not honour grpc-timeout).
 async fn bounded<T>(deadline: Duration, call: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
-    tokio::time::timeout(deadline, call)
-        .await
-        .unwrap_or_else(|_| Err(Status::deadline_exceeded(format!("no answer within {deadline:?}"))))
+    let expired = || Status::deadline_exceeded(format!("no answer within {deadline:?}"));
+    match tokio::time::timeout(deadline, call).await {
+        Err(_) => Err(expired()),
+        // tonic reports its own client-side timeout as Cancelled; it is a deadline.
+        Ok(Err(status))
+            if status.code() == tonic::Code::Cancelled && status.message().contains("Timeout expired") =>
+        {
+            Err(expired())
+        }
+        Ok(result) => result,
+    }
 }
 
 /// A verifier reached over gRPC.
@@ -114,7 +122,10 @@ impl VerifierBackend for GrpcVerifier {
     async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
-            Ok(client.verify(with_deadline(request, self.deadline)).await?.into_inner())
+            Ok(client
+                .verify(with_deadline(request, self.deadline))
+                .await?
+                .into_inner())
         })
         .await
     }
@@ -122,7 +133,10 @@ impl VerifierBackend for GrpcVerifier {
     async fn info(&self) -> Result<pb::InfoResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
-            Ok(client.info(with_deadline(pb::InfoRequest {}, self.deadline)).await?.into_inner())
+            Ok(client
+                .info(with_deadline(pb::InfoRequest {}, self.deadline))
+                .await?
+                .into_inner())
         })
         .await
     }
@@ -132,7 +146,10 @@ impl VerifierBackend for GrpcVerifier {
         let request = pb::ReleaseRequest {
             session_id: session_id.to_string(),
         };
-        let _ = bounded(self.deadline, async move { client.release(with_deadline(request, self.deadline)).await }).await;
+        let _ = bounded(self.deadline, async move {
+            client.release(with_deadline(request, self.deadline)).await
+        })
+        .await;
     }
 
     fn name(&self) -> String {
@@ -161,7 +178,10 @@ impl DrafterBackend for GrpcDrafter {
     async fn propose(&self, request: pb::ProposeRequest) -> Result<pb::ProposeResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
-            Ok(client.propose(with_deadline(request, self.deadline)).await?.into_inner())
+            Ok(client
+                .propose(with_deadline(request, self.deadline))
+                .await?
+                .into_inner())
         })
         .await
     }
@@ -169,7 +189,10 @@ impl DrafterBackend for GrpcDrafter {
     async fn info(&self) -> Result<pb::InfoResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
-            Ok(client.info(with_deadline(pb::InfoRequest {}, self.deadline)).await?.into_inner())
+            Ok(client
+                .info(with_deadline(pb::InfoRequest {}, self.deadline))
+                .await?
+                .into_inner())
         })
         .await
     }

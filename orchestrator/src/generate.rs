@@ -114,7 +114,9 @@ impl Generator {
             }
             Input::Chat(messages) => {
                 let template = self.text.chat_template.as_ref().ok_or_else(|| {
-                    OrchestratorError::InvalidArgument("this model has no chat template; send a prompt".into())
+                    OrchestratorError::InvalidArgument(
+                        "this model has no chat template; send a prompt".into(),
+                    )
                 })?;
                 let mut history = session.messages.clone();
                 history.extend(messages.iter().cloned());
@@ -157,10 +159,19 @@ impl Generator {
         let mut text = String::new();
         let mut finish = pb::FinishReason::Length;
         let mut k_sum = 0usize;
+        // Time and tokens of the first step (prompt processing), excluded from decode speed.
+        let mut first_step: Option<(f64, usize)> = None;
         'steps: while generated.len() < max_tokens {
             let remaining = max_tokens - generated.len();
             let (draft, q) = self
-                .draft(session, &context, params, remaining - 1, &mut sampler, &mut totals)
+                .draft(
+                    session,
+                    &context,
+                    params,
+                    remaining - 1,
+                    &mut sampler,
+                    &mut totals,
+                )
                 .await;
             k_sum += draft.len();
             let request = pb::VerifyRequest {
@@ -182,7 +193,11 @@ impl Generator {
                 .await
                 .map_err(|s| OrchestratorError::downstream("verifier", s))?;
             let verify_seconds = verify_started.elapsed().as_secs_f64();
-            self.costs.record_verify(draft.len(), verify_seconds);
+            // Cost per scored token: a pass that also (re)computed context (prompt processing,
+            // a cache miss) would distort the curve, so only cache-warm passes count.
+            if response.computed_tokens as usize == draft.len() + 1 {
+                self.costs.record_verify(draft.len(), verify_seconds);
+            }
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
             totals.bytes_received += response.encoded_len() as u64;
@@ -206,6 +221,14 @@ impl Generator {
                 accept_sampled(&draft, &q, &p, &mut || sampler.uniform())
             };
             session.policy.record(draft.len(), outcome.accepted);
+            tracing::debug!(
+                k = draft.len(),
+                accepted = outcome.accepted,
+                alpha = session.policy.alpha(),
+                verify_ms = verify_seconds * 1e3,
+                computed = response.computed_tokens,
+                "speculative step"
+            );
             totals.proposed += draft.len() as u32;
             totals.accepted += outcome.accepted as u32;
             let mut chunk = pb::TokenChunk::default();
@@ -213,6 +236,7 @@ impl Generator {
                 context.push(token);
                 if tokenizer.is_end_of_generation(token) {
                     finish = pb::FinishReason::Eos;
+                    emit(sink, chunk).await;
                     break 'steps;
                 }
                 generated.push(token);
@@ -231,6 +255,9 @@ impl Generator {
                 if generated.len() >= max_tokens {
                     break;
                 }
+            }
+            if first_step.is_none() {
+                first_step = Some((started.elapsed().as_secs_f64(), generated.len()));
             }
             if !emit(sink, chunk).await {
                 finish = pb::FinishReason::Unspecified; // the client went away
@@ -252,6 +279,8 @@ impl Generator {
             }
         }
         let decode_seconds = started.elapsed().as_secs_f64();
+        let (ttft, first_tokens) = first_step.unwrap_or((decode_seconds, generated.len()));
+        let later_tokens = generated.len().saturating_sub(first_tokens);
         let stats = pb::SpeculationStats {
             proposed: totals.proposed,
             accepted: totals.accepted,
@@ -268,7 +297,12 @@ impl Generator {
             draft_seconds: totals.draft_seconds,
             verify_seconds: totals.verify_seconds,
             decode_seconds,
-            tokens_per_second: generated.len() as f64 / decode_seconds.max(1e-9),
+            tokens_per_second: if later_tokens == 0 {
+                0.0
+            } else {
+                later_tokens as f64 / (decode_seconds - ttft).max(1e-9)
+            },
+            time_to_first_token_seconds: ttft,
             mean_k: if totals.drafted_steps == 0 {
                 0.0
             } else {
@@ -340,8 +374,11 @@ impl Generator {
         totals.bytes_received += response.encoded_len() as u64;
         self.costs.record_draft(response.tokens.len(), seconds, per_token);
         let vocab = self.text.config.vocab_size;
-        let qs: Result<Vec<SparseDist>, String> =
-            response.q.iter().map(|d| distribution_from_proto(d, vocab)).collect();
+        let qs: Result<Vec<SparseDist>, String> = response
+            .q
+            .iter()
+            .map(|d| distribution_from_proto(d, vocab))
+            .collect();
         let valid = response.tokens.len() <= ask
             && response.q.len() == response.tokens.len()
             && response.tokens.iter().all(|&t| (t as usize) < vocab);

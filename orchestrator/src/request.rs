@@ -65,9 +65,15 @@ fn invalid(message: impl Into<String>) -> OrchestratorError {
     OrchestratorError::InvalidArgument(message.into())
 }
 
-pub fn validate(request: &pb::GenerateRequest, limits: &Limits, vocab: usize) -> Result<GenerationParams, OrchestratorError> {
+pub fn validate(
+    request: &pb::GenerateRequest,
+    limits: &Limits,
+    vocab: usize,
+) -> Result<GenerationParams, OrchestratorError> {
     let input = match &request.input {
-        None => return Err(invalid("the request has neither a prompt nor chat messages")),
+        None => {
+            return Err(invalid("the request has neither a prompt nor chat messages"));
+        }
         Some(pb::generate_request::Input::Prompt(p)) => {
             if p.is_empty() {
                 return Err(invalid("prompt is empty"));
@@ -94,18 +100,29 @@ pub fn validate(request: &pb::GenerateRequest, limits: &Limits, vocab: usize) ->
             }
             let bytes: usize = chat.messages.iter().map(|m| m.content.len() + m.role.len()).sum();
             if bytes > limits.max_prompt_bytes {
-                return Err(invalid(format!("chat is {bytes} bytes; the limit is {}", limits.max_prompt_bytes)));
+                return Err(invalid(format!(
+                    "chat is {bytes} bytes; the limit is {}",
+                    limits.max_prompt_bytes
+                )));
             }
             if let Some((i, _)) = chat.messages.iter().enumerate().find(|(_, m)| m.role.is_empty()) {
                 return Err(invalid(format!("chat message {i} has no role")));
             }
-            Input::Chat(chat.messages.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect())
+            Input::Chat(
+                chat.messages
+                    .iter()
+                    .map(|m| ChatMessage::new(&m.role, &m.content))
+                    .collect(),
+            )
         }
     };
     let max_tokens = match request.max_tokens as usize {
         0 => limits.default_max_tokens,
         n if n > limits.max_new_tokens => {
-            return Err(invalid(format!("max_tokens is {n}; the limit is {}", limits.max_new_tokens)));
+            return Err(invalid(format!(
+                "max_tokens is {n}; the limit is {}",
+                limits.max_new_tokens
+            )));
         }
         n => n,
     };
@@ -116,29 +133,46 @@ pub fn validate(request: &pb::GenerateRequest, limits: &Limits, vocab: usize) ->
             limits.max_stop_strings
         )));
     }
-    if let Some(s) = request.stop.iter().find(|s| s.is_empty() || s.len() > limits.max_stop_bytes) {
+    if let Some(s) = request
+        .stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > limits.max_stop_bytes)
+    {
         return Err(invalid(format!(
             "stop string {s:?} must be 1 to {} bytes",
             limits.max_stop_bytes
         )));
     }
     let sampling = specd_common::convert::sampling_from_proto(request.sampling.as_ref());
-    sampling.validate().map_err(|e| invalid(e.to_string().replace("invalid request: ", "")))?;
+    sampling
+        .validate()
+        .map_err(|e| invalid(e.to_string().replace("invalid request: ", "")))?;
     if sampling.top_k > vocab {
-        return Err(invalid(format!("top_k is {}; the vocabulary has {vocab} tokens", sampling.top_k)));
+        return Err(invalid(format!(
+            "top_k is {}; the vocabulary has {vocab} tokens",
+            sampling.top_k
+        )));
     }
     let spec = request.speculation.unwrap_or_default();
     let max_k = match spec.max_k as usize {
         0 => limits.default_k,
         k if k > limits.max_k => {
-            return Err(invalid(format!("speculation.max_k is {k}; it must be in [0, {}]", limits.max_k)));
+            return Err(invalid(format!(
+                "speculation.max_k is {k}; it must be in [0, {}]",
+                limits.max_k
+            )));
         }
         k => k,
     };
     let drafter = match pb::DrafterKind::try_from(spec.drafter) {
         Ok(pb::DrafterKind::Unspecified | pb::DrafterKind::Ngram) => Drafter::Ngram,
         Ok(pb::DrafterKind::Lm) => Drafter::Lm,
-        Err(_) => return Err(invalid(format!("speculation.drafter {} is not a drafter kind", spec.drafter))),
+        Err(_) => {
+            return Err(invalid(format!(
+                "speculation.drafter {} is not a drafter kind",
+                spec.drafter
+            )));
+        }
     };
     if request.session_id.len() > 256 {
         return Err(invalid("session_id is longer than 256 bytes"));
@@ -170,7 +204,9 @@ mod tests {
 
     fn refused(request: pb::GenerateRequest, needle: &str) {
         match validate(&request, &Limits::default(), 1000) {
-            Err(OrchestratorError::InvalidArgument(m)) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
+            Err(OrchestratorError::InvalidArgument(m)) => {
+                assert!(m.contains(needle), "{m:?} lacks {needle:?}")
+            }
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
     }
@@ -190,21 +226,96 @@ mod tests {
         refused(pb::GenerateRequest::default(), "neither a prompt");
         refused(prompt(""), "prompt is empty");
         refused(prompt(&"x".repeat(300_000)), "bytes; the limit");
-        refused(pb::GenerateRequest { max_tokens: 5000, ..prompt("a") }, "max_tokens is 5000");
-        refused(pb::GenerateRequest { stop: vec![String::new()], ..prompt("a") }, "stop string");
-        refused(pb::GenerateRequest { stop: vec!["s".into(); 9], ..prompt("a") }, "9 stop strings");
-        let sampling = |temperature, top_k, top_p| Some(pb::SamplingParams { temperature, top_k, top_p });
-        refused(pb::GenerateRequest { sampling: sampling(-1.0, 0, 1.0), ..prompt("a") }, "temperature");
-        refused(pb::GenerateRequest { sampling: sampling(1.0, 0, 1.5), ..prompt("a") }, "top_p");
-        refused(pb::GenerateRequest { sampling: sampling(1.0, 5000, 1.0), ..prompt("a") }, "top_k");
-        let spec = |max_k, drafter| Some(pb::SpeculationOptions { max_k, drafter, ..Default::default() });
-        refused(pb::GenerateRequest { speculation: spec(17, 0), ..prompt("a") }, "max_k is 17");
-        refused(pb::GenerateRequest { speculation: spec(4, 9), ..prompt("a") }, "drafter 9");
+        refused(
+            pb::GenerateRequest {
+                max_tokens: 5000,
+                ..prompt("a")
+            },
+            "max_tokens is 5000",
+        );
+        refused(
+            pb::GenerateRequest {
+                stop: vec![String::new()],
+                ..prompt("a")
+            },
+            "stop string",
+        );
+        refused(
+            pb::GenerateRequest {
+                stop: vec!["s".into(); 9],
+                ..prompt("a")
+            },
+            "9 stop strings",
+        );
+        let sampling = |temperature, top_k, top_p| {
+            Some(pb::SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+            })
+        };
+        refused(
+            pb::GenerateRequest {
+                sampling: sampling(-1.0, 0, 1.0),
+                ..prompt("a")
+            },
+            "temperature",
+        );
+        refused(
+            pb::GenerateRequest {
+                sampling: sampling(1.0, 0, 1.5),
+                ..prompt("a")
+            },
+            "top_p",
+        );
+        refused(
+            pb::GenerateRequest {
+                sampling: sampling(1.0, 5000, 1.0),
+                ..prompt("a")
+            },
+            "top_k",
+        );
+        let spec = |max_k, drafter| {
+            Some(pb::SpeculationOptions {
+                max_k,
+                drafter,
+                ..Default::default()
+            })
+        };
+        refused(
+            pb::GenerateRequest {
+                speculation: spec(17, 0),
+                ..prompt("a")
+            },
+            "max_k is 17",
+        );
+        refused(
+            pb::GenerateRequest {
+                speculation: spec(4, 9),
+                ..prompt("a")
+            },
+            "drafter 9",
+        );
         let chat = |messages: Vec<pb::ChatMessage>| {
             Some(pb::generate_request::Input::Chat(pb::ChatMessages { messages }))
         };
-        refused(pb::GenerateRequest { input: chat(vec![]), ..Default::default() }, "no messages");
-        let nameless = pb::ChatMessage { role: String::new(), content: "x".into() };
-        refused(pb::GenerateRequest { input: chat(vec![nameless]), ..Default::default() }, "no role");
+        refused(
+            pb::GenerateRequest {
+                input: chat(vec![]),
+                ..Default::default()
+            },
+            "no messages",
+        );
+        let nameless = pb::ChatMessage {
+            role: String::new(),
+            content: "x".into(),
+        };
+        refused(
+            pb::GenerateRequest {
+                input: chat(vec![nameless]),
+                ..Default::default()
+            },
+            "no role",
+        );
     }
 }

@@ -22,7 +22,10 @@ impl OrchestratorService {
 #[tonic::async_trait]
 impl specd_proto::Orchestrator for OrchestratorService {
     #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id))]
-    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<pb::GenerateResponse>, Status> {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
         let response = self.generator.generate(request.get_ref(), None).await?;
         Ok(Response::new(response))
     }

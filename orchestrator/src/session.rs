@@ -109,7 +109,8 @@ impl SessionStore {
     /// Drops idle sessions past their TTL (never one in use).
     fn sweep(&self, entries: &mut HashMap<String, Entry>) {
         let now = Instant::now();
-        entries.retain(|_, e| now.duration_since(e.last_used) < self.ttl || Arc::strong_count(&e.session) > 1);
+        entries
+            .retain(|_, e| now.duration_since(e.last_used) < self.ttl || Arc::strong_count(&e.session) > 1);
     }
 }
 
@@ -122,10 +123,16 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(60), 10);
         let guard = store.create().unwrap();
         let id = guard.id.clone();
-        assert!(matches!(store.acquire(&id), Err(OrchestratorError::SessionBusy(_))));
+        assert!(matches!(
+            store.acquire(&id),
+            Err(OrchestratorError::SessionBusy(_))
+        ));
         drop(guard);
         assert_eq!(store.acquire(&id).unwrap().id, id);
-        assert!(matches!(store.acquire("nope"), Err(OrchestratorError::SessionNotFound(_))));
+        assert!(matches!(
+            store.acquire("nope"),
+            Err(OrchestratorError::SessionNotFound(_))
+        ));
     }
 
     #[test]
@@ -133,7 +140,10 @@ mod tests {
         let store = SessionStore::new(Duration::from_secs(60), 2);
         let _a = store.create().unwrap();
         let _b = store.create().unwrap();
-        assert!(matches!(store.create(), Err(OrchestratorError::ResourceExhausted(_))));
+        assert!(matches!(
+            store.create(),
+            Err(OrchestratorError::ResourceExhausted(_))
+        ));
     }
 
     #[test]
@@ -142,7 +152,10 @@ mod tests {
         let idle = store.create().unwrap().id.clone();
         let busy = store.create().unwrap();
         std::thread::sleep(Duration::from_millis(40));
-        assert!(matches!(store.acquire(&idle), Err(OrchestratorError::SessionNotFound(_))));
+        assert!(matches!(
+            store.acquire(&idle),
+            Err(OrchestratorError::SessionNotFound(_))
+        ));
         assert_eq!(store.len(), 1);
         drop(busy);
     }

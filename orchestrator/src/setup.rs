@@ -38,9 +38,12 @@ impl Default for GeneratorSettings {
 /// Everything in this process: the verifier core scores with `loaded`'s engine; the drafter
 /// offers prompt lookup and an LM drafter on the same engine (its own cache entries).
 pub fn in_process(loaded: LoadedModel, settings: GeneratorSettings) -> Generator {
-    let verifier: Arc<dyn VerifierBackend> = Arc::new(VerifierCore::new(loaded.engine.clone(), "in-process".into()));
-    let drafter: Arc<dyn DrafterBackend> =
-        Arc::new(DrafterCore::new(settings.ngram, Some(LmDrafter::new(loaded.engine.clone()))));
+    let verifier: Arc<dyn VerifierBackend> =
+        Arc::new(VerifierCore::new(loaded.engine.clone(), "in-process".into()));
+    let drafter: Arc<dyn DrafterBackend> = Arc::new(DrafterCore::new(
+        settings.ngram,
+        Some(LmDrafter::new(loaded.engine.clone())),
+    ));
     Generator {
         verifier,
         drafter: Some(drafter),
@@ -72,10 +75,19 @@ pub async fn remote(
         match verifier.info().await {
             Ok(info) => break info,
             Err(status) if started.elapsed() < ready_timeout => {
-                tracing::info!(url = verifier_url, message = status.message(), "waiting for the verifier");
+                tracing::info!(
+                    url = verifier_url,
+                    message = status.message(),
+                    "waiting for the verifier"
+                );
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
-            Err(status) => return Err(format!("verifier {verifier_url} is not answering: {}", status.message())),
+            Err(status) => {
+                return Err(format!(
+                    "verifier {verifier_url} is not answering: {}",
+                    status.message()
+                ));
+            }
         }
     };
     check_identity("verifier", verifier_url, info.model.as_ref(), &ours)?;
@@ -90,7 +102,9 @@ pub async fn remote(
                     }
                 }
                 // Speculation is optional: a drafter that is down now may come back.
-                Err(status) => tracing::warn!(url, message = status.message(), "drafter not answering yet"),
+                Err(status) => {
+                    tracing::warn!(url, message = status.message(), "drafter not answering yet")
+                }
             }
             Some(Arc::new(drafter))
         }

@@ -39,7 +39,10 @@ impl StopMatcher {
         if let Some(at) = first_stop {
             let release = self.pending[..at].to_string();
             self.pending.clear();
-            return StopCheck { release, stopped: true };
+            return StopCheck {
+                release,
+                stopped: true,
+            };
         }
         // Hold back the longest tail that is a prefix of some stop string.
         let hold = (1..self.longest.min(self.pending.len() + 1))
@@ -53,7 +56,10 @@ impl StopMatcher {
         let cut = self.pending.len() - hold;
         let release = self.pending[..cut].to_string();
         self.pending.drain(..cut);
-        StopCheck { release, stopped: false }
+        StopCheck {
+            release,
+            stopped: false,
+        }
     }
 
     /// Releases whatever is held back (generation ended for another reason).
@@ -78,7 +84,13 @@ mod tests {
         assert_eq!(m.push("Hello E").release, "Hello ");
         assert_eq!(m.push("N").release, "");
         let check = m.push("D and more");
-        assert_eq!(check, StopCheck { release: String::new(), stopped: true });
+        assert_eq!(
+            check,
+            StopCheck {
+                release: String::new(),
+                stopped: true
+            }
+        );
     }
 
     #[test]

@@ -66,6 +66,10 @@ PROMPTS = [
     "<|im_start|>user\nList three colors.<|im_end|>\n<|im_start|>assistant\n",
     "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
     "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5, 6,",
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n",
+    "<|im_start|>user\nWhat is 12 times 12?<|im_end|>\n<|im_start|>assistant\n",
+    "The days of the week are Monday, Tuesday,",
 ]
 
 

@@ -39,7 +39,9 @@ impl VerifierCore {
     pub async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, VerifierError> {
         let info = self.engine.info();
         if request.session_id.is_empty() || request.session_id.len() > 256 {
-            return Err(VerifierError::InvalidArgument("session_id must be 1 to 256 bytes".into()));
+            return Err(VerifierError::InvalidArgument(
+                "session_id must be 1 to 256 bytes".into(),
+            ));
         }
         if request.context.is_empty() {
             return Err(VerifierError::InvalidArgument("context is empty".into()));
@@ -50,8 +52,9 @@ impl VerifierCore {
                 request.draft.len()
             )));
         }
-        let mode = pb::DistributionMode::try_from(request.mode)
-            .map_err(|_| VerifierError::InvalidArgument(format!("unknown distribution mode {}", request.mode)))?;
+        let mode = pb::DistributionMode::try_from(request.mode).map_err(|_| {
+            VerifierError::InvalidArgument(format!("unknown distribution mode {}", request.mode))
+        })?;
         let sampling = sampling_from_proto(request.sampling.as_ref());
         sampling
             .validate()
@@ -80,7 +83,9 @@ impl VerifierCore {
                 let row = scores.row(i);
                 match mode {
                     pb::DistributionMode::Logits => pb::Distribution {
-                        repr: Some(pb::distribution::Repr::Logits(pb::DenseDistribution { values: row.to_vec() })),
+                        repr: Some(pb::distribution::Repr::Logits(pb::DenseDistribution {
+                            values: row.to_vec(),
+                        })),
                     },
                     pb::DistributionMode::Warped if !sampling.is_greedy() => {
                         distribution_to_proto(&warp(row, &sampling), vocab)

@@ -14,7 +14,11 @@ use specd_verifier::{VerifierCore, VerifierService};
 use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
-#[command(name = "verifier-svc", version, about = "specd verifier: target-model scoring over gRPC")]
+#[command(
+    name = "verifier-svc",
+    version,
+    about = "specd verifier: target-model scoring over gRPC"
+)]
 struct Config {
     /// Address to listen on.
     #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50052")]
@@ -81,4 +85,3 @@ async fn warm_up(engine: &specd_model::Engine) -> anyhow::Result<()> {
     engine.release(&sequence);
     Ok(())
 }
-

@@ -37,7 +37,10 @@ impl VerifierService {
 #[tonic::async_trait]
 impl specd_proto::Verifier for VerifierService {
     #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id, k = request.get_ref().draft.len()))]
-    async fn verify(&self, request: Request<pb::VerifyRequest>) -> Result<Response<pb::VerifyResponse>, Status> {
+    async fn verify(
+        &self,
+        request: Request<pb::VerifyRequest>,
+    ) -> Result<Response<pb::VerifyResponse>, Status> {
         Ok(Response::new(self.core()?.verify(request.into_inner()).await?))
     }
 
@@ -49,7 +52,10 @@ impl specd_proto::Verifier for VerifierService {
         }))
     }
 
-    async fn release(&self, request: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
         self.core()?.release(&request.get_ref().session_id);
         Ok(Response::new(pb::ReleaseResponse {}))
     }

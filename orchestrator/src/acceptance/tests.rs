@@ -3,8 +3,8 @@
 //! bound whose false-failure rate for a correct implementation is stated; each also runs a
 //! deliberately wrong variant (the classic mistakes) and requires it to fail the same bound.
 
-use rand::{Rng, SeedableRng};
 use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 use super::*;
 
@@ -17,7 +17,10 @@ fn dist(pairs: &[(u32, f32)]) -> SparseDist {
 
 #[test]
 fn greedy_accepts_the_agreeing_prefix_then_corrects() {
-    assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 9, 1]), StepOutcome { accepted: 2, next: 9 });
+    assert_eq!(
+        accept_greedy(&[5, 6, 7], &[5, 6, 9, 1]),
+        StepOutcome { accepted: 2, next: 9 }
+    );
     assert_eq!(accept_greedy(&[5], &[4, 1]), StepOutcome { accepted: 0, next: 4 });
 }
 
@@ -72,38 +75,73 @@ mod wrong {
     use super::*;
 
     /// Accepts with probability p(x) instead of min(1, p(x)/q(x)).
-    pub fn accept_with_p(draft: &[u32], q: &[SparseDist], p: &[SparseDist], u: &mut dyn FnMut() -> f64) -> StepOutcome {
+    pub fn accept_with_p(
+        draft: &[u32],
+        q: &[SparseDist],
+        p: &[SparseDist],
+        u: &mut dyn FnMut() -> f64,
+    ) -> StepOutcome {
         for (i, &x) in draft.iter().enumerate() {
             if u() >= p[i].prob(x) as f64 {
-                return StepOutcome { accepted: i, next: residual(&p[i], &q[i]).sample_with(u()) };
+                return StepOutcome {
+                    accepted: i,
+                    next: residual(&p[i], &q[i]).sample_with(u()),
+                };
             }
         }
-        StepOutcome { accepted: draft.len(), next: p[draft.len()].sample_with(u()) }
+        StepOutcome {
+            accepted: draft.len(),
+            next: p[draft.len()].sample_with(u()),
+        }
     }
 
     /// Resamples from p instead of norm(max(0, p − q)) after a rejection.
-    pub fn resample_from_p(draft: &[u32], q: &[SparseDist], p: &[SparseDist], u: &mut dyn FnMut() -> f64) -> StepOutcome {
+    pub fn resample_from_p(
+        draft: &[u32],
+        q: &[SparseDist],
+        p: &[SparseDist],
+        u: &mut dyn FnMut() -> f64,
+    ) -> StepOutcome {
         for (i, &x) in draft.iter().enumerate() {
             if u() >= (p[i].prob(x) as f64 / q[i].prob(x) as f64).min(1.0) {
-                return StepOutcome { accepted: i, next: p[i].sample_with(u()) };
+                return StepOutcome {
+                    accepted: i,
+                    next: p[i].sample_with(u()),
+                };
             }
         }
-        StepOutcome { accepted: draft.len(), next: p[draft.len()].sample_with(u()) }
+        StepOutcome {
+            accepted: draft.len(),
+            next: p[draft.len()].sample_with(u()),
+        }
     }
 
     /// Emits nothing more when every draft is accepted (the missing bonus token is then
     /// taken as the next step's first draft position, i.e. drawn from q again).
-    pub fn no_bonus(draft: &[u32], q: &[SparseDist], p: &[SparseDist], u: &mut dyn FnMut() -> f64) -> StepOutcome {
+    pub fn no_bonus(
+        draft: &[u32],
+        q: &[SparseDist],
+        p: &[SparseDist],
+        u: &mut dyn FnMut() -> f64,
+    ) -> StepOutcome {
         let out = super::super::accept_sampled(draft, q, p, u);
         if out.accepted == draft.len() {
             // Without a bonus the caller re-drafts: model that as the next token from q.
-            return StepOutcome { accepted: draft.len(), next: q[0].sample_with(u()) };
+            return StepOutcome {
+                accepted: draft.len(),
+                next: q[0].sample_with(u()),
+            };
         }
         out
     }
 
     /// Weighs draft i against the target distribution of position i + 1 (off by one).
-    pub fn off_by_one(draft: &[u32], q: &[SparseDist], p: &[SparseDist], u: &mut dyn FnMut() -> f64) -> StepOutcome {
+    pub fn off_by_one(
+        draft: &[u32],
+        q: &[SparseDist],
+        p: &[SparseDist],
+        u: &mut dyn FnMut() -> f64,
+    ) -> StepOutcome {
         let shifted: Vec<SparseDist> = p[1..].iter().chain(std::iter::once(&p[0])).cloned().collect();
         super::super::accept_sampled(draft, q, &shifted, u)
     }
@@ -190,7 +228,9 @@ fn multi_token_drafts_keep_the_joint_distribution() {
         while tokens.len() < 2 {
             let pos = tokens.len();
             let k = 2 - pos;
-            let draft: Vec<u32> = (0..k).map(|i| q[pos + i].sample_with(rng.random::<f64>())).collect();
+            let draft: Vec<u32> = (0..k)
+                .map(|i| q[pos + i].sample_with(rng.random::<f64>()))
+                .collect();
             let mut u = || rng.random::<f64>();
             let out = accept_sampled(&draft, &q[pos..pos + k], &p[pos..pos + k + 1], &mut u);
             accepted_all += usize::from(out.accepted == 2);

@@ -16,7 +16,11 @@ use specd_proto::OrchestratorServer;
 use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
-#[command(name = "orchestrator", version, about = "specd orchestrator: speculative decoding over gRPC")]
+#[command(
+    name = "orchestrator",
+    version,
+    about = "specd orchestrator: speculative decoding over gRPC"
+)]
 struct Config {
     /// Address to listen on.
     #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50050")]

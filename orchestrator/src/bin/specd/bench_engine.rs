@@ -77,7 +77,11 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
     time_pass(engine, "depth", &base[..DEPTH], DEPTH - 1)?;
     let mut pass_seconds = Vec::new();
     for &n in &PASS_SIZES {
-        let context: Vec<u32> = base[..DEPTH].iter().chain(&base[DEPTH..DEPTH + n]).copied().collect();
+        let context: Vec<u32> = base[..DEPTH]
+            .iter()
+            .chain(&base[DEPTH..DEPTH + n])
+            .copied()
+            .collect();
         let times: Vec<f64> = (0..reps)
             .map(|_| time_pass(engine, "depth", &context, DEPTH))
             .collect::<anyhow::Result<_>>()?;
@@ -115,17 +119,33 @@ struct LlamaBenchRow {
     avg_ts: f64,
 }
 
-fn measure_llama_cpp(bin: &std::path::Path, model: &std::path::Path, threads: usize, args: &EngineBenchArgs) -> anyhow::Result<Figures> {
+fn measure_llama_cpp(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    threads: usize,
+    args: &EngineBenchArgs,
+) -> anyhow::Result<Figures> {
     let sizes: Vec<String> = PASS_SIZES.iter().map(|n| n.to_string()).collect();
     let run = |prompts: &str, depth: usize, generate: usize| -> anyhow::Result<Vec<LlamaBenchRow>> {
         let output = Command::new(bin.join("llama-bench"))
             .env("LD_LIBRARY_PATH", bin)
-            .args(["-m", &model.to_string_lossy(), "-t", &threads.to_string(), "-p", prompts])
+            .args([
+                "-m",
+                &model.to_string_lossy(),
+                "-t",
+                &threads.to_string(),
+                "-p",
+                prompts,
+            ])
             .args(["-n", &generate.to_string(), "-d", &depth.to_string()])
             .args(["-r", &args.repetitions.max(1).to_string(), "-o", "json"])
             .output()
             .with_context(|| format!("cannot run {}", bin.join("llama-bench").display()))?;
-        anyhow::ensure!(output.status.success(), "llama-bench failed: {}", String::from_utf8_lossy(&output.stderr));
+        anyhow::ensure!(
+            output.status.success(),
+            "llama-bench failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         Ok(serde_json::from_slice(&output.stdout)?)
     };
     let passes = run(&sizes.join(","), DEPTH, 0)?;
@@ -133,7 +153,11 @@ fn measure_llama_cpp(bin: &std::path::Path, model: &std::path::Path, threads: us
     Ok(Figures {
         decode_tok_s: pp.iter().find(|r| r.n_gen > 0).map_or(0.0, |r| r.avg_ts),
         prompt64_tok_s: pp.iter().find(|r| r.n_prompt == PROMPT).map_or(0.0, |r| r.avg_ts),
-        pass_seconds: passes.iter().filter(|r| r.n_prompt > 0).map(|r| (r.n_prompt, r.avg_ns * 1e-9)).collect(),
+        pass_seconds: passes
+            .iter()
+            .filter(|r| r.n_prompt > 0)
+            .map(|r| (r.n_prompt, r.avg_ns * 1e-9))
+            .collect(),
     })
 }
 
@@ -145,7 +169,12 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     } else {
         args.model.threads
     };
-    eprintln!("specd bench engine: {} on {} thread(s), {} repetitions", path.display(), threads, args.repetitions);
+    eprintln!(
+        "specd bench engine: {} on {} thread(s), {} repetitions",
+        path.display(),
+        threads,
+        args.repetitions
+    );
     let ours = measure_ours(&loaded.engine, &args)?;
     let theirs = match &args.llama_cpp {
         Some(bin) => Some(measure_llama_cpp(bin, &path, threads, &args)?),
@@ -153,23 +182,36 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     };
     print_table(&ours, theirs.as_ref());
     if let Some(out) = &args.json_out {
-        let json = serde_json::json!({ "model": path, "threads": threads, "specd": ours, "llama_cpp": theirs });
+        let json =
+            serde_json::json!({ "model": path, "threads": threads, "specd": ours, "llama_cpp": theirs });
         std::fs::write(out, serde_json::to_string_pretty(&json)?)?;
     }
     Ok(())
 }
 
 fn print_table(ours: &Figures, theirs: Option<&Figures>) {
-    let col = |f: Option<&Figures>, get: &dyn Fn(&Figures) -> f64| f.map_or("-".to_string(), |f| format!("{:.1}", get(f)));
-    let ratio = |get: &dyn Fn(&Figures) -> f64| theirs.map_or("-".to_string(), |t| format!("{:.2}", get(ours) / get(t)));
-    println!("{:<34} {:>10} {:>10} {:>8}", "metric", "specd", "llama.cpp", "ratio");
+    let col = |f: Option<&Figures>, get: &dyn Fn(&Figures) -> f64| {
+        f.map_or("-".to_string(), |f| format!("{:.1}", get(f)))
+    };
+    let ratio = |get: &dyn Fn(&Figures) -> f64| {
+        theirs.map_or("-".to_string(), |t| format!("{:.2}", get(ours) / get(t)))
+    };
+    println!(
+        "{:<34} {:>10} {:>10} {:>8}",
+        "metric", "specd", "llama.cpp", "ratio"
+    );
     type Getter<'a> = &'a dyn Fn(&Figures) -> f64;
     let rows: [(&str, Getter); 2] = [
         ("decode tok/s", &|f| f.decode_tok_s),
         ("prompt processing (64) tok/s", &|f| f.prompt64_tok_s),
     ];
     for (name, get) in rows {
-        println!("{name:<34} {:>10} {:>10} {:>8}", col(Some(ours), get), col(theirs, get), ratio(get));
+        println!(
+            "{name:<34} {:>10} {:>10} {:>8}",
+            col(Some(ours), get),
+            col(theirs, get),
+            ratio(get)
+        );
     }
     let one = |f: &Figures| f.pass_seconds.first().map_or(1.0, |p| p.1);
     for (i, &(n, seconds)) in ours.pass_seconds.iter().enumerate() {

@@ -207,6 +207,7 @@ fn response_json(r: &pb::GenerateResponse) -> serde_json::Value {
         "stats": {
             "tokens_per_second": s.tokens_per_second,
             "decode_seconds": s.decode_seconds,
+            "time_to_first_token_seconds": s.time_to_first_token_seconds,
             "proposed": s.proposed,
             "accepted": s.accepted,
             "acceptance_rate": s.acceptance_rate,

@@ -10,7 +10,11 @@ mod generate;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "specd", version, about = "Distributed speculative decoding for llama-family GGUF models")]
+#[command(
+    name = "specd",
+    version,
+    about = "Distributed speculative decoding for llama-family GGUF models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
