@@ -10,8 +10,8 @@ use specd_model::{EngineOptions, LoadedModel, ScoreRequest, argmax};
 
 /// Largest allowed |ours - llama.cpp| for a logit. Both quantise activations to 8 bits before
 /// the 4-bit matmuls, but their kernels differ (our forward is bit-identical to candle's stock
-/// `quantized_llama`); measured differences reach ~0.6 on logits of ~25-30.
-const LOGIT_TOLERANCE: f32 = 1.0;
+/// `quantized_llama`); measured differences reach 0.98 on logits of ~25-30 (665 compared).
+const LOGIT_TOLERANCE: f32 = 1.25;
 /// Where llama.cpp's top-1 leads its top-2 by more than this, both must pick the same token.
 const CLEAR_MARGIN: f32 = 2.0 * LOGIT_TOLERANCE;
 

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use specd_e2e::{Service, Stack, default_model, free_port};
+use specd_e2e::{Service, Stack, binaries, default_model, free_port};
 use specd_proto::v1 as pb;
 use tonic::Code;
 
@@ -34,7 +34,7 @@ async fn expect_status(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn invalid_requests_get_precise_codes_and_the_service_keeps_serving() {
-    let stack = Stack::start(&[]).await;
+    let stack = Stack::start(binaries!(), &[]).await;
     let mut client = stack.client().await;
     expect_status(&mut client, prompt(""), Code::InvalidArgument, "prompt is empty").await;
     expect_status(
@@ -90,11 +90,12 @@ async fn invalid_requests_get_precise_codes_and_the_service_keeps_serving() {
 async fn a_dead_drafter_costs_speculation_not_requests() {
     let model = default_model();
     let model = model.to_str().unwrap();
-    let mut verifier = Service::start("verifier-svc", &["--model", model]);
+    let mut verifier = Service::start("verifier-svc", binaries!().verifier, &["--model", model]);
     verifier.wait_serving(Duration::from_secs(120)).await;
     let nobody = format!("http://127.0.0.1:{}", free_port());
     let mut orchestrator = Service::start(
         "orchestrator",
+        binaries!().orchestrator,
         &[
             "--model",
             model,
@@ -123,7 +124,7 @@ async fn a_dead_drafter_costs_speculation_not_requests() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_or_hanging_verifier_is_reported_precisely() {
-    let stack = Stack::start(&["--call-deadline-ms", "1500"]).await;
+    let stack = Stack::start(binaries!(), &["--call-deadline-ms", "1500"]).await;
     let mut client = stack.client().await;
     // Hanging: the call ends at the deadline with DeadlineExceeded.
     stack.verifier.signal("STOP");

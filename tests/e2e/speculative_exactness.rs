@@ -3,7 +3,7 @@
 //! decoding, for every prompt, K in {1, 4, 8} and both drafters. Also: streaming delivers the
 //! same text as the unary call, and sessions continue.
 
-use specd_e2e::Stack;
+use specd_e2e::{Stack, binaries};
 use specd_proto::v1 as pb;
 
 const PROMPTS: [&str; 5] = [
@@ -26,7 +26,7 @@ fn request(prompt: &str, speculation: pb::SpeculationOptions) -> pb::GenerateReq
 
 #[tokio::test(flavor = "multi_thread")]
 async fn greedy_speculation_is_token_identical_to_plain_decoding() {
-    let stack = Stack::start(&[]).await;
+    let stack = Stack::start(binaries!(), &[]).await;
     let mut client = stack.client().await;
     let mut checked = 0;
     for prompt in PROMPTS {
@@ -77,7 +77,7 @@ async fn greedy_speculation_is_token_identical_to_plain_decoding() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn streaming_matches_unary_and_sessions_continue() {
-    let stack = Stack::start(&[]).await;
+    let stack = Stack::start(binaries!(), &[]).await;
     let mut client = stack.client().await;
     let chat = |text: &str| pb::GenerateRequest {
         input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {

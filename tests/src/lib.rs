@@ -10,21 +10,24 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
-/// A binary built from this workspace (`cargo test --workspace` builds them first).
-pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let path = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .expect("target dir")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is not built; run the tests with `cargo test --workspace` (or nextest --workspace)",
-        path.display()
-    );
-    path
+/// Paths of the service binaries cargo built for these tests (see this package's
+/// Cargo.toml); `binaries!()` fills them in from the test's build environment.
+#[derive(Debug, Clone, Copy)]
+pub struct Binaries {
+    pub verifier: &'static str,
+    pub drafter: &'static str,
+    pub orchestrator: &'static str,
+}
+
+#[macro_export]
+macro_rules! binaries {
+    () => {
+        $crate::Binaries {
+            verifier: env!("CARGO_BIN_EXE_e2e-verifier-svc"),
+            drafter: env!("CARGO_BIN_EXE_e2e-drafter-svc"),
+            orchestrator: env!("CARGO_BIN_EXE_e2e-orchestrator"),
+        }
+    };
 }
 
 /// A port nothing listens on right now.
@@ -49,10 +52,10 @@ pub struct Service {
 }
 
 impl Service {
-    /// Starts `binary` listening on a fresh loopback port with extra `args`.
-    pub fn start(name: &'static str, args: &[&str]) -> Self {
+    /// Starts the binary at `path` listening on a fresh loopback port with extra `args`.
+    pub fn start(name: &'static str, path: &str, args: &[&str]) -> Self {
         let port = free_port();
-        let child = Command::new(binary(name))
+        let child = Command::new(path)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .args(args)
@@ -129,11 +132,11 @@ pub struct Stack {
 }
 
 impl Stack {
-    pub async fn start(orchestrator_args: &[&str]) -> Self {
+    pub async fn start(bins: Binaries, orchestrator_args: &[&str]) -> Self {
         let model = default_model();
         let model = model.to_str().expect("utf-8 path");
-        let mut verifier = Service::start("verifier-svc", &["--model", model]);
-        let mut drafter = Service::start("drafter-svc", &["--lm", "--model", model]);
+        let mut verifier = Service::start("verifier-svc", bins.verifier, &["--model", model]);
+        let mut drafter = Service::start("drafter-svc", bins.drafter, &["--lm", "--model", model]);
         verifier.wait_serving(Duration::from_secs(120)).await;
         drafter.wait_serving(Duration::from_secs(120)).await;
         let mut args = vec![
@@ -145,7 +148,7 @@ impl Stack {
             &drafter.url,
         ];
         args.extend_from_slice(orchestrator_args);
-        let mut orchestrator = Service::start("orchestrator", &args);
+        let mut orchestrator = Service::start("orchestrator", bins.orchestrator, &args);
         orchestrator.wait_serving(Duration::from_secs(120)).await;
         Self {
             drafter,
