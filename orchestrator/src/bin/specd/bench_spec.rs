@@ -1,12 +1,202 @@
-//! `specd bench spec`: filled in below.
+//! `specd bench spec`: speculative vs plain decoding through the same stack in one run, per
+//! workload kind (copy-heavy code edits, summaries with quotes, JSON rewrites, open-ended
+//! chat; prompts in `workloads.json`). Reports decode tok/s of each, the speed-up, acceptance
+//! rate, tokens per verifier call, mean K and bytes per step, as a table and a JSON file.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
 use specd_common::model_args::ModelArgs;
+use specd_orchestrator::Generator;
+use specd_orchestrator::setup::{GeneratorSettings, in_process};
+use specd_proto::v1 as pb;
+
+const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
 
 #[derive(Debug, clap::Args)]
 pub struct SpecBenchArgs {
+    /// Workloads file (default: the built-in workloads.json).
+    #[arg(long)]
+    workloads: Option<PathBuf>,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: u32,
+    /// K ceiling for speculation.
+    #[arg(long, default_value_t = 8)]
+    max_k: u32,
+    /// Also run fixed-K speculation at these K (comma separated), beside adaptive K.
+    #[arg(long, value_delimiter = ',')]
+    fixed_k: Vec<u32>,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench-out/spec.json")]
+    json_out: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
 }
 
-pub async fn run(_args: SpecBenchArgs) -> anyhow::Result<()> {
-    anyhow::bail!("not yet")
+#[derive(Debug, Deserialize)]
+struct Workloads {
+    workloads: Vec<Workload>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Workload {
+    name: String,
+    prompts: Vec<String>,
+}
+
+/// Totals of one mode over one workload's prompts.
+#[derive(Debug, Default, Clone, Serialize)]
+struct ModeResult {
+    mode: String,
+    tokens: u64,
+    decode_tokens: f64,
+    decode_seconds: f64,
+    proposed: u64,
+    accepted: u64,
+    verifier_calls: u64,
+    drafted_k_sum: f64,
+    drafted_steps: f64,
+    bytes: u64,
+    identical_to_plain: bool,
+}
+
+impl ModeResult {
+    fn tok_s(&self) -> f64 {
+        self.decode_tokens / self.decode_seconds.max(1e-9)
+    }
+}
+
+async fn run_one(generator: &Generator, prompt: &str, args: &SpecBenchArgs, mode: &str) -> anyhow::Result<pb::GenerateResponse> {
+    let (disable, fixed_k, max_k) = match mode {
+        "plain" => (true, false, args.max_k),
+        "adaptive" => (false, false, args.max_k),
+        k => (false, true, k.trim_start_matches("k=").parse()?),
+    };
+    let request = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+            }],
+        })),
+        max_tokens: args.max_tokens,
+        speculation: Some(pb::SpeculationOptions {
+            disable,
+            max_k,
+            drafter: pb::DrafterKind::Ngram as i32,
+            fixed_k,
+        }),
+        ..Default::default()
+    };
+    generator
+        .generate(&request, None)
+        .await
+        .map_err(|e| anyhow::anyhow!(tonic::Status::from(e).message().to_string()))
+}
+
+pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
+    let text = match &args.workloads {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+        None => DEFAULT_WORKLOADS.to_string(),
+    };
+    let workloads: Workloads = serde_json::from_str(&text)?;
+    let model = args.model.clone();
+    let loaded = tokio::task::spawn_blocking(move || model.load()).await??;
+    let generator = in_process(loaded, GeneratorSettings::default());
+    let mut modes = vec!["plain".to_string(), "adaptive".to_string()];
+    modes.extend(args.fixed_k.iter().map(|k| format!("k={k}")));
+    // Warm-up (page in weights, settle the cost model).
+    run_one(&generator, "Hello", &args, "plain").await?;
+    run_one(&generator, "Hello", &args, "adaptive").await?;
+    let mut all = Vec::new();
+    for workload in &workloads.workloads {
+        let mut results: Vec<ModeResult> = modes
+            .iter()
+            .map(|m| ModeResult {
+                mode: m.clone(),
+                identical_to_plain: true,
+                ..ModeResult::default()
+            })
+            .collect();
+        for (i, prompt) in workload.prompts.iter().enumerate() {
+            let mut plain_ids = Vec::new();
+            for (mode, result) in modes.iter().zip(results.iter_mut()) {
+                eprintln!("bench spec: {} prompt {} {mode}", workload.name, i + 1);
+                let r = run_one(&generator, prompt, &args, mode).await?;
+                let s = r.stats.unwrap_or_default();
+                if mode == "plain" {
+                    plain_ids = r.token_ids.clone();
+                } else {
+                    result.identical_to_plain &= r.token_ids == plain_ids;
+                }
+                let n = r.token_ids.len() as f64;
+                let ttft = s.time_to_first_token_seconds;
+                // Decode phase: everything after the first step (which processes the prompt).
+                result.decode_tokens += if s.tokens_per_second > 0.0 {
+                    s.tokens_per_second * (s.decode_seconds - ttft)
+                } else {
+                    0.0
+                };
+                result.decode_seconds += s.decode_seconds - ttft;
+                result.tokens += n as u64;
+                result.proposed += u64::from(s.proposed);
+                result.accepted += u64::from(s.accepted);
+                result.verifier_calls += u64::from(s.verifier_calls);
+                result.bytes += s.bytes_sent + s.bytes_received;
+                if s.mean_k > 0.0 {
+                    let drafted_steps = f64::from(s.proposed) / s.mean_k;
+                    result.drafted_k_sum += f64::from(s.proposed);
+                    result.drafted_steps += drafted_steps;
+                }
+            }
+        }
+        all.push((workload.name.clone(), results));
+    }
+    print_table(&all);
+    if let Some(parent) = args.json_out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let json: Vec<_> = all
+        .iter()
+        .map(|(name, results)| serde_json::json!({ "workload": name, "results": results }))
+        .collect();
+    std::fs::write(&args.json_out, serde_json::to_string_pretty(&json)?)?;
+    eprintln!("wrote {}", args.json_out.display());
+    Ok(())
+}
+
+fn print_table(all: &[(String, Vec<ModeResult>)]) {
+    println!(
+        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9}",
+        "workload", "mode", "tok/s", "speedup", "accept", "tok/call", "mean K", "B/step", "= plain"
+    );
+    for (name, results) in all {
+        let plain = results[0].tok_s();
+        for r in results {
+            let accept = if r.proposed == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.0}%", 100.0 * r.accepted as f64 / r.proposed as f64)
+            };
+            let mean_k = if r.drafted_steps > 0.0 {
+                format!("{:.1}", r.drafted_k_sum / r.drafted_steps)
+            } else {
+                "-".into()
+            };
+            println!(
+                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9}",
+                name,
+                r.mode,
+                r.tok_s(),
+                r.tok_s() / plain,
+                accept,
+                r.tokens as f64 / r.verifier_calls.max(1) as f64,
+                mean_k,
+                r.bytes as f64 / r.verifier_calls.max(1) as f64,
+                if r.mode == "plain" { "-" } else if r.identical_to_plain { "yes" } else { "NO" },
+            );
+        }
+    }
 }
