@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod kernels;
 pub mod kv_cache;
 pub mod llama;
 pub mod sampling;

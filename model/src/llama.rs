@@ -11,32 +11,49 @@ use candle_core::{D, DType, Device, Module, Tensor};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::kernels::QuantMatrix;
 use crate::kv_cache::KvCache;
 
 /// A weight matrix whose product with a batch of rows gives each row exactly the result it
-/// would get alone. candle's quantized kernels already work row by row; dense (f32/f16)
-/// weights go through a general matmul whose summation order depends on the batch shape, so
-/// they are applied one row at a time.
-struct Linear {
-    inner: QMatMul,
-    dense: bool,
+/// would get alone. Q4_1 and Q8_0 weights on the CPU use our multi-row kernels
+/// ([`crate::kernels`]); other quantized formats use candle's kernels, which also work row by
+/// row; dense (f32/f16) weights go through a general matmul whose summation order depends on
+/// the batch shape, so they are applied one row at a time.
+enum Linear {
+    Packed(QuantMatrix),
+    Candle { inner: QMatMul, dense: bool },
 }
 
 impl Linear {
-    fn new(inner: QMatMul) -> Self {
+    fn new(tensor: QTensor, device: &Device) -> Result<Self> {
+        if device.is_cpu()
+            && let Some(packed) = QuantMatrix::from_qtensor(&tensor)
+        {
+            return Ok(Self::Packed(packed));
+        }
+        Self::from_qmatmul(QMatMul::from_qtensor(tensor)?)
+    }
+
+    fn from_qmatmul(inner: QMatMul) -> Result<Self> {
         let dense = !matches!(inner, QMatMul::QTensor(_));
-        Self { inner, dense }
+        Ok(Self::Candle { inner, dense })
     }
 
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)?;
-        if !self.dense || rows == 1 {
-            return self.inner.forward(x);
+        match self {
+            Self::Packed(matrix) => {
+                let input = x.flatten_all()?.to_vec1::<f32>()?;
+                Tensor::from_vec(matrix.matmul(&input, rows), (rows, matrix.rows()), x.device())
+            }
+            Self::Candle { inner, dense } if *dense && rows > 1 => {
+                let outs = (0..rows)
+                    .map(|r| inner.forward(&x.narrow(0, r, 1)?))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Tensor::cat(&outs, 0)
+            }
+            Self::Candle { inner, .. } => inner.forward(x),
         }
-        let outs = (0..rows)
-            .map(|r| self.inner.forward(&x.narrow(0, r, 1)?))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Tensor::cat(&outs, 0)
     }
 }
 
@@ -79,12 +96,21 @@ impl Llama {
         let (d, ff, hd) = (cfg.n_embd, cfg.n_ff, cfg.head_dim);
         let kv = cfg.n_head_kv * hd;
         let token_embd = Arc::new(file.tensor("token_embd.weight", Some(&[cfg.vocab_size, d]), device)?);
-        let lm_head = Linear::new(if file.has_tensor("output.weight") {
-            QMatMul::from_qtensor(file.tensor("output.weight", Some(&[cfg.vocab_size, d]), device)?)?
-        } else {
+        let lm_head = if file.has_tensor("output.weight") {
+            Linear::new(
+                file.tensor("output.weight", Some(&[cfg.vocab_size, d]), device)?,
+                device,
+            )?
+        } else if let Some(packed) = device
+            .is_cpu()
+            .then(|| QuantMatrix::from_qtensor(&token_embd))
+            .flatten()
+        {
             // Tied embeddings: the LM head is the embedding matrix.
-            QMatMul::from_arc(token_embd.clone())?
-        });
+            Linear::Packed(packed)
+        } else {
+            Linear::from_qmatmul(QMatMul::from_arc(token_embd.clone())?)?
+        };
         let vector = |file: &mut GgufFile, name: &str| -> Result<Tensor> {
             Ok(file.tensor(name, Some(&[d]), device)?.dequantize(device)?)
         };
@@ -93,7 +119,7 @@ impl Llama {
             let p = format!("blk.{i}");
             let mut matrix = |name: &str, rows: usize, cols: usize| -> Result<Linear> {
                 let t = file.tensor(&format!("{p}.{name}.weight"), Some(&[rows, cols]), device)?;
-                Ok(Linear::new(QMatMul::from_qtensor(t)?))
+                Linear::new(t, device)
             };
             let wq = matrix("attn_q", d, d)?;
             let wk = matrix("attn_k", kv, d)?;

@@ -34,7 +34,14 @@ async fn sampled_speculation_matches_the_target_distribution() {
     let dir = tempfile::tempdir().unwrap();
     let target_path = dir.path().join("target.gguf");
     let draft_path = dir.path().join("draft.gguf");
-    write_tiny_llama(&target_path, &SyntheticSpec { seed: 11, ..SyntheticSpec::default() }).unwrap();
+    write_tiny_llama(
+        &target_path,
+        &SyntheticSpec {
+            seed: 11,
+            ..SyntheticSpec::default()
+        },
+    )
+    .unwrap();
     write_tiny_llama(
         &draft_path,
         &SyntheticSpec {
@@ -89,7 +96,10 @@ async fn sampled_speculation_matches_the_target_distribution() {
 
     let generator = Generator {
         verifier: Arc::new(VerifierCore::new(target.engine.clone(), "in-process".into())),
-        drafter: Some(Arc::new(DrafterCore::new(NgramConfig::default(), Some(LmDrafter::new(draft.engine.clone()))))),
+        drafter: Some(Arc::new(DrafterCore::new(
+            NgramConfig::default(),
+            Some(LmDrafter::new(draft.engine.clone())),
+        ))),
         text: TextModel {
             tokenizer: target.tokenizer.clone(),
             chat_template: target.chat_template.clone(),
@@ -128,9 +138,15 @@ async fn sampled_speculation_matches_the_target_distribution() {
         *observed.entry(first_two).or_default() += 1;
     }
     // The test only means something if drafts were both accepted and rejected.
-    assert!(accepted > 0 && accepted < proposed, "accepted {accepted} of {proposed}");
+    assert!(
+        accepted > 0 && accepted < proposed,
+        "accepted {accepted} of {proposed}"
+    );
     let unexpected: Vec<_> = observed.keys().filter(|k| !expected.contains_key(*k)).collect();
-    assert!(unexpected.is_empty(), "outcomes outside the target's support: {unexpected:?}");
+    assert!(
+        unexpected.is_empty(),
+        "outcomes outside the target's support: {unexpected:?}"
+    );
     let chi2: f64 = expected
         .iter()
         .map(|(outcome, p)| {

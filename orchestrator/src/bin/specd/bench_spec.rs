@@ -68,7 +68,12 @@ impl ModeResult {
     }
 }
 
-async fn run_one(generator: &Generator, prompt: &str, args: &SpecBenchArgs, mode: &str) -> anyhow::Result<pb::GenerateResponse> {
+async fn run_one(
+    generator: &Generator,
+    prompt: &str,
+    args: &SpecBenchArgs,
+    mode: &str,
+) -> anyhow::Result<pb::GenerateResponse> {
     let (disable, fixed_k, max_k) = match mode {
         "plain" => (true, false, args.max_k),
         "adaptive" => (false, false, args.max_k),
@@ -98,7 +103,9 @@ async fn run_one(generator: &Generator, prompt: &str, args: &SpecBenchArgs, mode
 
 pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let text = match &args.workloads {
-        Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?
+        }
         None => DEFAULT_WORKLOADS.to_string(),
     };
     let workloads: Workloads = serde_json::from_str(&text)?;
@@ -195,7 +202,13 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
                 r.tokens as f64 / r.verifier_calls.max(1) as f64,
                 mean_k,
                 r.bytes as f64 / r.verifier_calls.max(1) as f64,
-                if r.mode == "plain" { "-" } else if r.identical_to_plain { "yes" } else { "NO" },
+                if r.mode == "plain" {
+                    "-"
+                } else if r.identical_to_plain {
+                    "yes"
+                } else {
+                    "NO"
+                },
             );
         }
     }
