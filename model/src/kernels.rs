@@ -231,6 +231,8 @@ impl QuantizedRows {
     }
 }
 
+// Kernels walk several parallel arrays (scales, quants, rows) by block and row index.
+#[allow(clippy::needless_range_loop)]
 mod portable {
     use super::{BLOCK, QuantizedRows};
 
@@ -283,6 +285,7 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
 mod avx2 {
     use std::arch::x86_64::*;
 

@@ -1,19 +1,23 @@
 //! A per-sequence KV cache that lives outside the model: it grows on demand, can be truncated
 //! to any length (rollback after a rejected draft) and records the tokens it holds, so a
 //! caller can reuse the longest common prefix of a new context.
+//!
+//! On the CPU keys and values are plain `[position][kv_head][head_dim]` f32 buffers read
+//! directly by [`crate::attention`]; on other devices they are candle tensors
+//! `[kv_head, capacity, head_dim]` grown by doubling.
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 
-/// Initial capacity in tokens; doubled as needed up to the model's context length.
+/// Initial capacity in tokens of device caches; doubled as needed up to the context length.
 const INITIAL_CAPACITY: usize = 128;
 
-/// Keys and values of one layer, `[n_head_kv, capacity, head_dim]`, valid up to `len`.
-struct LayerCache {
-    keys: Tensor,
-    values: Tensor,
+/// Keys and values of one layer.
+pub(crate) enum LayerCache {
+    Host { keys: Vec<f32>, values: Vec<f32> },
+    Device { keys: Tensor, values: Tensor },
 }
 
 /// The cache of one sequence for all layers.
@@ -21,6 +25,7 @@ pub struct KvCache {
     layers: Vec<LayerCache>,
     /// Tokens whose keys/values are stored, in order.
     tokens: Vec<u32>,
+    /// Capacity of device tensors, in positions (unused on the host).
     capacity: usize,
     max_len: usize,
     n_head_kv: usize,
@@ -41,14 +46,21 @@ impl KvCache {
             device: device.clone(),
         };
         for _ in 0..cfg.n_layer {
-            cache.layers.push(cache.empty_layer(capacity)?);
+            let layer = cache.empty_layer(capacity)?;
+            cache.layers.push(layer);
         }
         Ok(cache)
     }
 
     fn empty_layer(&self, capacity: usize) -> Result<LayerCache> {
+        if self.device.is_cpu() {
+            return Ok(LayerCache::Host {
+                keys: Vec::new(),
+                values: Vec::new(),
+            });
+        }
         let shape = (self.n_head_kv, capacity, self.head_dim);
-        Ok(LayerCache {
+        Ok(LayerCache::Device {
             keys: Tensor::zeros(shape, DType::F32, &self.device)?,
             values: Tensor::zeros(shape, DType::F32, &self.device)?,
         })
@@ -70,12 +82,26 @@ impl KvCache {
 
     /// Bytes held by this cache (allocated capacity, not just the used part).
     pub fn allocated_bytes(&self) -> usize {
-        2 * self.layers.len() * self.n_head_kv * self.capacity * self.head_dim * 4
+        let per_position = 2 * self.n_head_kv * self.head_dim * 4;
+        self.layers
+            .iter()
+            .map(|layer| match layer {
+                LayerCache::Host { keys, values } => (keys.capacity() + values.capacity()) * 4,
+                LayerCache::Device { .. } => self.capacity * per_position,
+            })
+            .sum()
     }
 
     /// Drops every position from `len` on. Truncating to a longer length is a no-op.
     pub fn truncate(&mut self, len: usize) {
         self.tokens.truncate(len);
+        let floats = self.tokens.len() * self.n_head_kv * self.head_dim;
+        for layer in &mut self.layers {
+            if let LayerCache::Host { keys, values } = layer {
+                keys.truncate(floats);
+                values.truncate(floats);
+            }
+        }
     }
 
     /// Length of the common prefix of the cached tokens and `context`.
@@ -87,7 +113,7 @@ impl KvCache {
             .count()
     }
 
-    /// Makes room for `extra` more positions, growing the buffers if needed.
+    /// Makes room for `extra` more positions, growing device buffers if needed.
     pub(crate) fn reserve(&mut self, extra: usize) -> Result<()> {
         let needed = self.len() + extra;
         if needed > self.max_len {
@@ -96,7 +122,7 @@ impl KvCache {
                 limit: self.max_len,
             });
         }
-        if needed <= self.capacity {
+        if self.device.is_cpu() || needed <= self.capacity {
             return Ok(());
         }
         let mut capacity = self.capacity;
@@ -107,14 +133,12 @@ impl KvCache {
         let len = self.len();
         for index in 0..self.layers.len() {
             let grown = self.empty_layer(capacity)?;
-            if len > 0 {
-                let old = &self.layers[index];
-                grown
-                    .keys
-                    .slice_set(&old.keys.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                grown
-                    .values
-                    .slice_set(&old.values.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            if let (LayerCache::Device { keys, values }, LayerCache::Device { keys: k, values: v }) =
+                (&grown, &self.layers[index])
+                && len > 0
+            {
+                keys.slice_set(&k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                values.slice_set(&v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
             }
             self.layers[index] = grown;
         }
@@ -122,24 +146,41 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes keys/values `[n_head_kv, n, head_dim]` of layer `layer` at positions
-    /// `start..start + n` and returns views of all valid keys and values up to `start + n`.
+    /// Writes keys `[1, n_head_kv, n, head_dim]` and values `[n, n_head_kv * head_dim]` of
+    /// layer `layer` at positions `start..start + n` and returns the layer's storage.
     /// `reserve` must have been called for the new positions.
     pub(crate) fn write_layer(
-        &self,
+        &mut self,
         layer: usize,
         start: usize,
         keys: &Tensor,
         values: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let cache = &self.layers[layer];
-        let n = keys.dim(1)?;
-        cache.keys.slice_set(&keys.contiguous()?, 1, start)?;
-        cache.values.slice_set(&values.contiguous()?, 1, start)?;
-        Ok((
-            cache.keys.narrow(1, 0, start + n)?,
-            cache.values.narrow(1, 0, start + n)?,
-        ))
+    ) -> Result<&LayerCache> {
+        let n = values.dim(0)?;
+        let floats = start * self.n_head_kv * self.head_dim;
+        match &mut self.layers[layer] {
+            LayerCache::Host { keys: k, values: v } => {
+                k.truncate(floats);
+                v.truncate(floats);
+                k.extend(
+                    keys.squeeze(0)?
+                        .transpose(0, 1)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?,
+                );
+                v.extend(values.flatten_all()?.to_vec1::<f32>()?);
+            }
+            LayerCache::Device { keys: k, values: v } => {
+                let keys = keys.squeeze(0)?.contiguous()?;
+                let values = values
+                    .reshape((n, self.n_head_kv, self.head_dim))?
+                    .transpose(0, 1)?
+                    .contiguous()?;
+                k.slice_set(&keys, 1, start)?;
+                v.slice_set(&values, 1, start)?;
+            }
+        }
+        Ok(&self.layers[layer])
     }
 
     /// Records that `tokens` were appended (after every layer was written).

@@ -5,6 +5,7 @@
 //! sequences of different lengths run in one batched pass. The model runs on its own thread
 //! ([`engine`]); [`sampling`] holds the distribution math shared with speculative acceptance.
 
+pub mod attention;
 pub mod cache_store;
 pub mod chat;
 pub mod config;

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
 
+use crate::attention::{AttentionShape, attend};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::kernels::QuantMatrix;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, LayerCache};
 
 /// A weight matrix whose product with a batch of rows gives each row exactly the result it
 /// would get alone. Q4_1 and Q8_0 weights on the CPU use our multi-row kernels
@@ -185,11 +186,11 @@ impl Llama {
             let v = block.wv.forward(&h)?;
             let mut outputs = Vec::with_capacity(steps.len());
             let mut row = 0;
-            for step in steps.iter() {
+            for step in steps.iter_mut() {
                 let n = step.tokens.len();
                 let attn = self.attention(
                     layer,
-                    step.cache,
+                    &mut *step.cache,
                     &q.narrow(0, row, n)?,
                     &k.narrow(0, row, n)?,
                     &v.narrow(0, row, n)?,
@@ -256,7 +257,14 @@ impl Llama {
     /// verification). So a row's result does not depend on how tokens were grouped into
     /// passes: verifying K drafts in one pass gives bit-identical logits to decoding them one
     /// by one, and a replica that rebuilds a cache in one pass gets the same cache.
-    fn attention(&self, layer: usize, cache: &KvCache, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    fn attention(
+        &self,
+        layer: usize,
+        cache: &mut KvCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (n, hd) = (q.dim(0)?, cfg.head_dim);
         let start = cache.len();
@@ -266,23 +274,35 @@ impl Llama {
             .reshape((1, n, cfg.n_head_kv, hd))?
             .transpose(1, 2)?
             .contiguous()?;
-        let v = v.reshape((n, cfg.n_head_kv, hd))?.transpose(0, 1)?;
         let (q, k) = self.apply_rope(&q, &k, start, n)?;
-        let (keys, values) = cache.write_layer(layer, start, &k.squeeze(0)?, &v)?;
-        // Query heads sharing a KV head are stacked so one matmul serves the whole group.
-        let q = q.reshape((cfg.n_head_kv, group, n, hd))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut rows = Vec::with_capacity(n);
-        for i in 0..n {
-            let visible = start + i + 1;
-            let q_i = q.narrow(2, i, 1)?.reshape((cfg.n_head_kv, group, hd))?;
-            let keys_t = keys.narrow(1, 0, visible)?.t()?; // [kv, hd, visible], no copy
-            let scores = (q_i.matmul(&keys_t)? * scale)?; // [kv, group, visible]
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-            let out = probs.matmul(&values.narrow(1, 0, visible)?)?; // [kv, group, hd]
-            rows.push(out.reshape((1, cfg.n_head * hd))?);
+        match cache.write_layer(layer, start, &k, v)? {
+            LayerCache::Host { keys, values } => {
+                let shape = AttentionShape {
+                    n_head: cfg.n_head,
+                    n_head_kv: cfg.n_head_kv,
+                    head_dim: hd,
+                };
+                let queries = q.flatten_all()?.to_vec1::<f32>()?;
+                let out = attend(&shape, &queries, keys, values, start, n);
+                Ok(Tensor::from_vec(out, (n, cfg.n_head * hd), &self.device)?)
+            }
+            LayerCache::Device { keys, values } => {
+                // Query heads sharing a KV head are stacked so one matmul serves the group.
+                let q = q.reshape((cfg.n_head_kv, group, n, hd))?;
+                let scale = 1.0 / (hd as f64).sqrt();
+                let mut rows = Vec::with_capacity(n);
+                for i in 0..n {
+                    let visible = start + i + 1;
+                    let q_i = q.narrow(2, i, 1)?.reshape((cfg.n_head_kv, group, hd))?;
+                    let keys_t = keys.narrow(1, 0, visible)?.t()?; // [kv, hd, visible], no copy
+                    let scores = (q_i.matmul(&keys_t)? * scale)?; // [kv, group, visible]
+                    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                    let out = probs.matmul(&values.narrow(1, 0, visible)?)?; // [kv, group, hd]
+                    rows.push(out.reshape((1, cfg.n_head * hd))?);
+                }
+                Ok(Tensor::cat(&rows, 0)?)
+            }
         }
-        Ok(Tensor::cat(&rows, 0)?)
     }
 
     fn apply_rope(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
