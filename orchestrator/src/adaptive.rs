@@ -15,9 +15,13 @@ const PRIOR_ACCEPTED: f64 = 1.0;
 const PRIOR_REJECTED: f64 = 1.0;
 /// How quickly old acceptance evidence fades (per step).
 const ACCEPTANCE_DECAY: f64 = 0.9;
-/// Every this many steps without drafting, a step with an available draft tries k = 1,
-/// so a session whose text turns predictable is noticed.
+/// After this many steps without drafting, a step with an available draft tries k = 1, so a
+/// session whose text turns predictable is noticed; each failed try doubles the wait.
 const EXPLORE_EVERY: u32 = 8;
+const EXPLORE_MAX: u32 = 256;
+/// Proposals are grouped by how long a context suffix they matched (prompt lookup); longer
+/// matches are far more reliable, so each group keeps its own acceptance record.
+pub const MATCH_BUCKETS: usize = 4;
 
 /// Process-wide costs, shared by sessions: the verifier's time for a pass over k + 1
 /// tokens, modelled as `base + per_token · k`, and the drafter's round trip.
@@ -107,43 +111,55 @@ pub fn expected_tokens(k: usize, alpha: f64) -> f64 {
 /// One session's acceptance record and K choice.
 #[derive(Debug, Clone)]
 pub struct KPolicy {
-    accepted: f64,
-    rejected: f64,
+    accepted: [f64; MATCH_BUCKETS],
+    rejected: [f64; MATCH_BUCKETS],
     steps_without_draft: u32,
+    explore_after: u32,
+    exploring: bool,
 }
 
 impl Default for KPolicy {
     fn default() -> Self {
         Self {
-            accepted: PRIOR_ACCEPTED,
-            rejected: PRIOR_REJECTED,
+            accepted: [PRIOR_ACCEPTED; MATCH_BUCKETS],
+            rejected: [PRIOR_REJECTED; MATCH_BUCKETS],
             steps_without_draft: 0,
+            explore_after: EXPLORE_EVERY,
+            exploring: false,
         }
     }
 }
 
+/// The acceptance group of a proposal that matched a `match_length`-token suffix (0: not a
+/// lookup proposal, e.g. an LM drafter's).
+pub fn bucket(match_length: usize) -> usize {
+    match_length.min(MATCH_BUCKETS - 1)
+}
+
 impl KPolicy {
-    /// Estimated probability that a draft token is accepted.
-    pub fn alpha(&self) -> f64 {
-        self.accepted / (self.accepted + self.rejected)
+    /// Estimated probability that a draft token of group `bucket` is accepted.
+    pub fn alpha(&self, bucket: usize) -> f64 {
+        self.accepted[bucket] / (self.accepted[bucket] + self.rejected[bucket])
     }
 
     /// Chooses k in `[0, available]` (available: drafts on offer, capped by K max and the
-    /// tokens still wanted).
-    pub fn choose(&mut self, available: usize, costs: &CostModel) -> usize {
+    /// tokens still wanted) for a proposal of group `bucket`.
+    pub fn choose(&mut self, available: usize, bucket: usize, costs: &CostModel) -> usize {
+        self.exploring = false;
         if available == 0 {
             self.steps_without_draft += 1;
             return 0;
         }
-        let alpha = self.alpha();
+        let alpha = self.alpha(bucket);
         let rate = |k: usize| expected_tokens(k, alpha) / costs.step_seconds(k);
         let best = (0..=available)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(0);
         if best == 0 {
             self.steps_without_draft += 1;
-            if self.steps_without_draft >= EXPLORE_EVERY {
+            if self.steps_without_draft >= self.explore_after {
                 self.steps_without_draft = 0;
+                self.exploring = true;
                 return 1;
             }
             return 0;
@@ -152,13 +168,20 @@ impl KPolicy {
         best
     }
 
-    /// Records a step that verified `k` drafts and accepted `accepted` of them.
-    pub fn record(&mut self, k: usize, accepted: usize) {
+    /// Records a step that verified `k` drafts of group `bucket` and accepted `accepted`.
+    pub fn record(&mut self, k: usize, accepted: usize, bucket: usize) {
         if k == 0 {
             return;
         }
-        self.accepted = self.accepted * ACCEPTANCE_DECAY + accepted as f64;
-        self.rejected = self.rejected * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
+        if self.exploring {
+            self.explore_after = if accepted == k {
+                EXPLORE_EVERY
+            } else {
+                (self.explore_after * 2).min(EXPLORE_MAX)
+            };
+        }
+        self.accepted[bucket] = self.accepted[bucket] * ACCEPTANCE_DECAY + accepted as f64;
+        self.rejected[bucket] = self.rejected[bucket] * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
     }
 }
 
@@ -188,47 +211,78 @@ mod tests {
     fn high_acceptance_and_cheap_tokens_draft_deeply() {
         let mut policy = KPolicy::default();
         for _ in 0..30 {
-            policy.record(4, 4);
+            policy.record(4, 4, 1);
         }
-        assert!(policy.alpha() > 0.9);
-        assert_eq!(policy.choose(8, &costs(1.0, 0.1)), 8);
+        assert!(policy.alpha(1) > 0.9);
+        assert_eq!(policy.choose(8, 1, &costs(1.0, 0.1)), 8);
     }
 
     #[test]
     fn low_acceptance_or_expensive_tokens_decode_plainly() {
         let mut policy = KPolicy::default();
         for _ in 0..30 {
-            policy.record(4, 0);
+            policy.record(4, 0, 1);
         }
-        assert!(policy.alpha() < 0.1);
-        assert_eq!(policy.choose(8, &costs(1.0, 0.1)), 0);
+        assert!(policy.alpha(1) < 0.1);
+        assert_eq!(policy.choose(8, 1, &costs(1.0, 0.1)), 0);
         // Even perfect acceptance does not pay when a draft token costs a full pass.
         let mut perfect = KPolicy::default();
         for _ in 0..30 {
-            perfect.record(2, 2);
+            perfect.record(2, 2, 1);
         }
-        assert_eq!(perfect.choose(8, &costs(1.0, 1.05)), 0);
+        assert_eq!(perfect.choose(8, 1, &costs(1.0, 1.05)), 0);
     }
 
     #[test]
     fn k_never_exceeds_what_is_available() {
         let mut policy = KPolicy::default();
         for _ in 0..30 {
-            policy.record(4, 4);
+            policy.record(4, 4, 1);
         }
-        assert_eq!(policy.choose(2, &costs(1.0, 0.01)), 2);
-        assert_eq!(policy.choose(0, &costs(1.0, 0.01)), 0);
+        assert_eq!(policy.choose(2, 1, &costs(1.0, 0.01)), 2);
+        assert_eq!(policy.choose(0, 1, &costs(1.0, 0.01)), 0);
     }
 
     #[test]
     fn a_session_that_stopped_drafting_explores_again() {
         let mut policy = KPolicy::default();
         for _ in 0..30 {
-            policy.record(4, 0);
+            policy.record(4, 0, 1);
         }
         let c = costs(1.0, 0.5);
-        let picks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| policy.choose(4, &c)).collect();
+        let picks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| policy.choose(4, 1, &c)).collect();
         assert_eq!(picks.iter().filter(|&&k| k == 1).count(), 1, "{picks:?}");
+    }
+
+    #[test]
+    fn failed_exploration_backs_off_and_groups_are_separate() {
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 0, 1);
+            policy.record(4, 4, 3);
+        }
+        let c = costs(1.0, 0.5);
+        // Long matches draft deeply while one-token matches do not.
+        assert!(policy.choose(4, 3, &c) > 1);
+        let mut picks = Vec::new();
+        for _ in 0..3 * EXPLORE_EVERY {
+            let k = policy.choose(4, 1, &c);
+            picks.push(k);
+            policy.record(k, 0, 1);
+        }
+        // The first try comes after EXPLORE_EVERY steps, the next only after twice as many.
+        let tries: Vec<usize> = picks
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| **k == 1)
+            .map(|(i, _)| i)
+            .collect();
+        let first = EXPLORE_EVERY as usize - 1;
+        assert_eq!(
+            tries,
+            vec![first, first + 2 * EXPLORE_EVERY as usize],
+            "{picks:?}"
+        );
     }
 
     #[test]

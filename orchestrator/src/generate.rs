@@ -13,7 +13,7 @@ use specd_model::{Sampler, SparseDist, TextModel};
 use specd_proto::v1 as pb;
 
 use crate::acceptance::{accept_greedy, accept_sampled};
-use crate::adaptive::CostModel;
+use crate::adaptive::{CostModel, bucket};
 use crate::backend::{DrafterBackend, VerifierBackend};
 use crate::error::OrchestratorError;
 use crate::request::{Drafter, GenerationParams, Input, Limits, validate};
@@ -163,7 +163,7 @@ impl Generator {
         let mut first_step: Option<(f64, usize)> = None;
         'steps: while generated.len() < max_tokens {
             let remaining = max_tokens - generated.len();
-            let (draft, q) = self
+            let (draft, q, bucket) = self
                 .draft(
                     session,
                     &context,
@@ -220,11 +220,11 @@ impl Generator {
             } else {
                 accept_sampled(&draft, &q, &p, &mut || sampler.uniform())
             };
-            session.policy.record(draft.len(), outcome.accepted);
+            session.policy.record(draft.len(), outcome.accepted, bucket);
             tracing::debug!(
                 k = draft.len(),
                 accepted = outcome.accepted,
-                alpha = session.policy.alpha(),
+                alpha = session.policy.alpha(bucket),
                 verify_ms = verify_seconds * 1e3,
                 computed = response.computed_tokens,
                 "speculative step"
@@ -320,8 +320,8 @@ impl Generator {
         Ok((context, response))
     }
 
-    /// Up to `cap` draft tokens and their q distributions; empty when speculation is off,
-    /// does not pay, or the drafter fails.
+    /// Up to `cap` draft tokens, their q distributions and their acceptance group; empty when
+    /// speculation is off, does not pay, or the drafter fails.
     async fn draft(
         &self,
         session: &mut Session,
@@ -330,22 +330,22 @@ impl Generator {
         cap: usize,
         sampler: &mut Sampler,
         totals: &mut Totals,
-    ) -> (Vec<u32>, Vec<SparseDist>) {
+    ) -> (Vec<u32>, Vec<SparseDist>, usize) {
         let cap = cap.min(params.max_k);
         let Some(drafter) = self.drafter.as_ref().filter(|_| params.speculate && cap > 0) else {
-            session.policy.choose(0, &self.costs);
-            return (vec![], vec![]);
+            session.policy.choose(0, 0, &self.costs);
+            return (vec![], vec![], 0);
         };
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
         // nearly free, so it proposes the most and K is chosen from what it found.
         let per_token = params.drafter == Drafter::Lm;
         let ask = if per_token && !params.fixed_k {
-            session.policy.choose(cap, &self.costs)
+            session.policy.choose(cap, 0, &self.costs)
         } else {
             cap
         };
         if ask == 0 {
-            return (vec![], vec![]);
+            return (vec![], vec![], 0);
         }
         let request = pb::ProposeRequest {
             session_id: session.id.clone(),
@@ -368,7 +368,7 @@ impl Generator {
             Ok(r) => r,
             Err(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
-                return (vec![], vec![]);
+                return (vec![], vec![], 0);
             }
         };
         totals.bytes_received += response.encoded_len() as u64;
@@ -386,18 +386,26 @@ impl Generator {
             (true, Ok(qs)) => qs,
             _ => {
                 tracing::warn!("drafter sent an inconsistent proposal; decoding this step without drafts");
-                return (vec![], vec![]);
+                return (vec![], vec![], 0);
             }
         };
         let k = if params.fixed_k || per_token {
             response.tokens.len()
         } else {
-            session.policy.choose(response.tokens.len(), &self.costs)
+            session.policy.choose(
+                response.tokens.len(),
+                bucket(response.match_length as usize),
+                &self.costs,
+            )
         };
         if k > 0 {
             totals.drafted_steps += 1;
         }
-        (response.tokens[..k].to_vec(), qs[..k].to_vec())
+        (
+            response.tokens[..k].to_vec(),
+            qs[..k].to_vec(),
+            bucket(response.match_length as usize),
+        )
     }
 }
 
