@@ -1,8 +1,56 @@
-//! gRPC serving helpers: health that reports NOT_SERVING until the model is loaded and warm,
-//! reflection over specd's descriptor set, and a future that resolves on SIGTERM or Ctrl-C.
+//! gRPC serving for every service binary: a listener with health (NOT_SERVING until the
+//! service says it is ready, e.g. its model is loaded and warm) and reflection over specd's
+//! descriptor set already mounted, served until SIGTERM or Ctrl-C.
 
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tonic::transport::server::{Router, TcpIncoming};
 use tonic_health::ServingStatus;
-use tonic_health::server::HealthReporter;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
+
+/// A bound gRPC listener with health and reflection ready to mount beside one service.
+pub struct GrpcServer {
+    pub health: Health,
+    health_service: HealthServer<HealthService>,
+    listener: TcpListener,
+}
+
+impl GrpcServer {
+    /// Binds `addr`; health for `service` (e.g. `specd.v1.Verifier`) starts NOT_SERVING.
+    pub async fn bind(service: &'static str, addr: SocketAddr) -> Result<Self, String> {
+        let (health, health_service) = Health::new(service).await;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        Ok(Self {
+            health,
+            health_service,
+            listener,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Serves health, reflection and whatever `mount` adds, in a task, until a shutdown
+    /// signal; in-flight calls drain before the task ends.
+    pub fn serve(
+        self,
+        mount: impl FnOnce(Router) -> Router,
+    ) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, String> {
+        let router = tonic::transport::Server::builder()
+            .add_service(self.health_service)
+            .add_service(reflection()?);
+        let server =
+            mount(router).serve_with_incoming_shutdown(TcpIncoming::from(self.listener), shutdown_signal());
+        Ok(tokio::spawn(server))
+    }
+}
 
 /// Health reporting for one gRPC service name (e.g. `specd.v1.Verifier`) and the server as a
 /// whole (the empty name), kept in step.
@@ -14,13 +62,9 @@ pub struct Health {
 
 impl Health {
     /// The reporter and the health service to mount; both start NOT_SERVING.
-    pub async fn new(
-        service: &'static str,
-    ) -> (
-        Self,
-        tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
-    ) {
-        let (reporter, server) = tonic_health::server::health_reporter();
+    pub async fn new(service: &'static str) -> (Self, HealthServer<HealthService>) {
+        let reporter = HealthReporter::new();
+        let server = HealthServer::new(HealthService::from_health_reporter(reporter.clone()));
         let health = Self { reporter, service };
         health.set(false).await;
         (health, server)

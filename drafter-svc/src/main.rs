@@ -7,10 +7,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use specd_common::model_args::ModelArgs;
-use specd_common::serve::{Health, reflection, shutdown_signal};
+use specd_common::serve::GrpcServer;
 use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramConfig};
 use specd_proto::DrafterServer;
-use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -50,18 +49,16 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
-    let (health, health_service) = Health::new("specd.v1.Drafter").await;
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let grpc = GrpcServer::bind("specd.v1.Drafter", config.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let local = listener.local_addr()?;
+        .map_err(anyhow::Error::msg)?;
+    let local = grpc.local_addr();
+    let health = grpc.health.clone();
     let service = DrafterService::default();
-    let server = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection().map_err(anyhow::Error::msg)?)
-        .add_service(DrafterServer::new(service.clone()).max_decoding_message_size(64 << 20))
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal());
-    let server = tokio::spawn(server);
+    let mounted = service.clone();
+    let server = grpc
+        .serve(|router| router.add_service(DrafterServer::new(mounted).max_decoding_message_size(64 << 20)))
+        .map_err(anyhow::Error::msg)?;
     tracing::info!(%local, lm = config.lm, "drafter listening");
     let lm = if config.lm {
         let model_args = config.model.clone();

@@ -7,11 +7,10 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use specd_common::model_args::ModelArgs;
-use specd_common::serve::{Health, reflection, shutdown_signal};
+use specd_common::serve::GrpcServer;
 use specd_model::ScoreRequest;
 use specd_proto::VerifierServer;
 use specd_verifier::{VerifierCore, VerifierService};
-use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -44,22 +43,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
-    let (health, health_service) = Health::new("specd.v1.Verifier").await;
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let grpc = GrpcServer::bind("specd.v1.Verifier", config.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", config.listen))?;
-    let local = listener.local_addr()?;
+        .map_err(anyhow::Error::msg)?;
+    let local = grpc.local_addr();
+    let health = grpc.health.clone();
     let replica = config.replica_name.clone().unwrap_or_else(|| local.to_string());
     // Serve health while the model loads, so orchestrators see NOT_SERVING, not a refusal.
     let model_args = config.model.clone();
     let loading = tokio::task::spawn_blocking(move || model_args.load());
     let service = VerifierService::default();
-    let server = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection().map_err(anyhow::Error::msg)?)
-        .add_service(VerifierServer::new(service.clone()).max_decoding_message_size(64 << 20))
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal());
-    let server = tokio::spawn(server);
+    let mounted = service.clone();
+    let server = grpc
+        .serve(|router| router.add_service(VerifierServer::new(mounted).max_decoding_message_size(64 << 20)))
+        .map_err(anyhow::Error::msg)?;
     tracing::info!(%local, "verifier listening; loading model");
     let loaded = loading.await?.context("cannot load the model")?;
     warm_up(&loaded.engine).await?;

@@ -8,12 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use specd_common::serve::{Health, reflection, shutdown_signal};
+use specd_common::serve::GrpcServer;
 use specd_orchestrator::request::Limits;
 use specd_orchestrator::service::OrchestratorService;
 use specd_orchestrator::setup::{GeneratorSettings, remote};
 use specd_proto::OrchestratorServer;
-use tonic::transport::server::TcpIncoming;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -65,10 +64,11 @@ struct Config {
 async fn main() -> anyhow::Result<()> {
     let config = Config::parse();
     specd_common::telemetry::init_telemetry("orchestrator", config.log_json);
-    let (health, health_service) = Health::new("specd.v1.Orchestrator").await;
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let grpc = GrpcServer::bind("specd.v1.Orchestrator", config.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", config.listen))?;
+        .map_err(anyhow::Error::msg)?;
+    let health = grpc.health.clone();
+    let local = grpc.local_addr();
     let model_path = match &config.model {
         Some(p) => p.clone(),
         None => tokio::task::spawn_blocking(specd_model::fetch::ensure_default_model).await??,
@@ -97,13 +97,10 @@ async fn main() -> anyhow::Result<()> {
     .map_err(anyhow::Error::msg)?;
     let service = OrchestratorService::new(Arc::new(generator));
     health.set(true).await;
-    tracing::info!(listen = %listener.local_addr()?, verifier = %config.verifier, drafter = ?config.drafter, "orchestrator serving");
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(reflection().map_err(anyhow::Error::msg)?)
-        .add_service(OrchestratorServer::new(service))
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown_signal())
-        .await?;
+    tracing::info!(listen = %local, verifier = %config.verifier, drafter = ?config.drafter, "orchestrator serving");
+    grpc.serve(|router| router.add_service(OrchestratorServer::new(service)))
+        .map_err(anyhow::Error::msg)?
+        .await??;
     tracing::info!("orchestrator stopped");
     Ok(())
 }
