@@ -57,7 +57,26 @@ impl Generator {
             Some(id) => self.sessions.acquire(id)?,
             None => self.sessions.create()?,
         };
-        let (context, prompt_tokens, history) = self.build_context(&session, &params.input)?;
+        let session_id = session.id.clone();
+        let result = self.generate_in(&mut session, &params, sink).await;
+        drop(session);
+        if result.is_err() && params.session_id.is_none() {
+            // A session created for a request that failed was never shown to anyone.
+            self.sessions.remove(&session_id);
+        } else {
+            self.sessions.touch(&session_id);
+        }
+        result
+    }
+
+    /// Runs one request on a session it holds; the session changes only on success.
+    async fn generate_in(
+        &self,
+        session: &mut Session,
+        params: &GenerationParams,
+        sink: ChunkSink<'_>,
+    ) -> Result<pb::GenerateResponse, OrchestratorError> {
+        let (context, prompt_tokens, history) = self.build_context(session, &params.input)?;
         let limit = self.text.config.context_length;
         if context.len() >= limit {
             return Err(OrchestratorError::InvalidArgument(format!(
@@ -66,25 +85,19 @@ impl Generator {
             )));
         }
         let max_tokens = params.max_tokens.min(limit - context.len());
-        let outcome = self.run(&mut session, context, &params, max_tokens, sink).await;
-        let session_id = session.id.clone();
-        let result = outcome.map(|(context, mut response)| {
-            if let Some(mut history) = history {
-                history.push(specd_model::ChatMessage::new("assistant", response.text.clone()));
-                session.messages = history;
-            }
-            response.usage = Some(pb::Usage {
-                prompt_tokens: prompt_tokens as u32,
-                completion_tokens: response.token_ids.len() as u32,
-                context_tokens: context.len() as u32,
-            });
-            session.context = context;
-            response.session_id = session_id.clone();
-            response
+        let (context, mut response) = self.run(session, context, params, max_tokens, sink).await?;
+        if let Some(mut history) = history {
+            history.push(specd_model::ChatMessage::new("assistant", response.text.clone()));
+            session.messages = history;
+        }
+        response.usage = Some(pb::Usage {
+            prompt_tokens: prompt_tokens as u32,
+            completion_tokens: response.token_ids.len() as u32,
+            context_tokens: context.len() as u32,
         });
-        drop(session);
-        self.sessions.touch(&session_id);
-        result
+        session.context = context;
+        response.session_id = session.id.clone();
+        Ok(response)
     }
 
     /// The full context for this request: the session's plus the new input. Chat input is
