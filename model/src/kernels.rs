@@ -102,26 +102,57 @@ impl QuantMatrix {
 
     /// `x [m, k] · selfᵀ → [m, n]`, row-major.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k, "activations must be [m, k]");
-        let rows = self.quantize(x, m);
-        let mut out = vec![0f32; m * self.n];
-        let out_ptr = SendPtr(out.as_mut_ptr());
+        Self::matmul_many(&[self], x, m)
+            .pop()
+            .expect("one product per matrix")
+    }
+
+    /// Whether `matmul_many` can take these matrices together (same format and width).
+    pub fn compatible(matrices: &[&QuantMatrix]) -> bool {
+        matrices
+            .windows(2)
+            .all(|w| w[0].format == w[1].format && w[0].k == w[1].k)
+    }
+
+    /// The products of the same activations with several matrices (e.g. the Q, K and V
+    /// projections): the activations are quantised once and all the work is one pass over
+    /// the thread pool. Every element is computed exactly as `matmul` computes it.
+    pub fn matmul_many(matrices: &[&QuantMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+        assert!(
+            !matrices.is_empty() && Self::compatible(matrices),
+            "matrices must share format and width"
+        );
+        let k = matrices[0].k;
+        assert_eq!(x.len(), m * k, "activations must be [m, k]");
+        let rows = matrices[0].quantize(x, m);
         let tiles = m.div_ceil(ROW_TILE);
+        let mut outs: Vec<Vec<f32>> = matrices.iter().map(|w| vec![0f32; m * w.n]).collect();
+        let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+        // Work items: (matrix, row tile, column), matrices one after another.
+        let mut starts = Vec::with_capacity(matrices.len() + 1);
+        let mut total = 0;
+        for w in matrices {
+            starts.push(total);
+            total += tiles * w.n;
+        }
+        starts.push(total);
         let kernel = Kernel::detect();
-        candle_core::utils::barrier_pool().execute_chunked(tiles * self.n, |items| {
+        candle_core::utils::barrier_pool().execute_chunked(total, |items| {
             let mut tile_out = [0f32; ROW_TILE];
             for item in items {
-                let (tile, j) = (item / self.n, item % self.n);
+                let which = starts.partition_point(|&s| s <= item) - 1;
+                let (w, local) = (matrices[which], item - starts[which]);
+                let (tile, j) = (local / w.n, local % w.n);
                 let r0 = tile * ROW_TILE;
                 let count = ROW_TILE.min(m - r0);
-                self.column(kernel, j, &rows, r0, count, &mut tile_out);
+                w.column(kernel, j, &rows, r0, count, &mut tile_out);
                 for (t, value) in tile_out[..count].iter().enumerate() {
-                    // SAFETY: each (row, column) is written by exactly one work item.
-                    unsafe { *out_ptr.get().add((r0 + t) * self.n + j) = *value };
+                    // SAFETY: each (matrix, row, column) is written by exactly one work item.
+                    unsafe { *ptrs[which].get().add((r0 + t) * w.n + j) = *value };
                 }
             }
         });
-        out
+        outs
     }
 
     /// Dot products of weight row `j` with activation rows `r0..r0 + count`.

@@ -58,6 +58,34 @@ impl Linear {
     }
 }
 
+/// Several linears applied to the same input: one quantisation of the input and one pass
+/// over the thread pool when all are packed alike, else one call each.
+fn forward_group<const N: usize>(linears: [&Linear; N], x: &Tensor) -> candle_core::Result<[Tensor; N]> {
+    let packed: Vec<&QuantMatrix> = linears
+        .iter()
+        .filter_map(|l| match l {
+            Linear::Packed(m) => Some(m),
+            Linear::Candle { .. } => None,
+        })
+        .collect();
+    if packed.len() == N && QuantMatrix::compatible(&packed) {
+        let rows = x.dim(0)?;
+        let input = x.flatten_all()?.to_vec1::<f32>()?;
+        let outs = QuantMatrix::matmul_many(&packed, &input, rows);
+        let tensors = outs
+            .into_iter()
+            .zip(&packed)
+            .map(|(out, m)| Tensor::from_vec(out, (rows, m.rows()), x.device()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        return Ok(tensors.try_into().expect("one output per linear"));
+    }
+    let tensors = linears
+        .iter()
+        .map(|l| l.forward(x))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(tensors.try_into().expect("one output per linear"))
+}
+
 struct Block {
     attn_norm: Tensor,
     wq: Linear,
@@ -181,9 +209,7 @@ impl Llama {
         let eps = self.cfg.rms_eps as f32;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &block.attn_norm, eps)?;
-            let q = block.wq.forward(&h)?;
-            let k = block.wk.forward(&h)?;
-            let v = block.wv.forward(&h)?;
+            let [q, k, v] = forward_group([&block.wq, &block.wk, &block.wv], &h)?;
             let mut outputs = Vec::with_capacity(steps.len());
             let mut row = 0;
             for step in steps.iter_mut() {
@@ -201,7 +227,8 @@ impl Llama {
             let attn = Tensor::cat(&outputs, 0)?;
             x = (x + block.wo.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
-            let gated = (candle_nn::ops::silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
+            let [gate, up] = forward_group([&block.w_gate, &block.w_up], &h)?;
+            let gated = (candle_nn::ops::silu(&gate)? * up)?;
             x = (x + block.w_down.forward(&gated)?)?;
         }
         // Only the requested rows go through the final norm and the (large) LM head.

@@ -128,3 +128,16 @@ fn other_formats_are_left_to_candle() {
     let t = Tensor::from_vec(random(64, 1), (2, 32), &Device::Cpu).unwrap();
     assert!(QuantMatrix::from_qtensor(&QTensor::quantize(&t, GgmlDType::Q4_0).unwrap()).is_none());
 }
+
+#[test]
+fn several_matrices_at_once_equal_each_alone() {
+    let (m, k) = (3, 576);
+    let (_, a) = matrix(GgmlDType::Q4_1, 17, k, 5);
+    let (_, b) = matrix(GgmlDType::Q4_1, 9, k, 6);
+    let x = random(m * k, 7);
+    let both = QuantMatrix::matmul_many(&[&a, &b], &x, m);
+    assert_eq!(both[0], a.matmul(&x, m));
+    assert_eq!(both[1], b.matmul(&x, m));
+    let (_, c) = matrix(GgmlDType::Q8_0, 9, k, 8);
+    assert!(!QuantMatrix::compatible(&[&a, &c]));
+}
