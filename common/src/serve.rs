@@ -10,6 +10,15 @@ use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 
+/// Serving limits every service binary takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Largest request message accepted, in bytes; a larger one is refused (OutOfRange)
+    /// and the service keeps serving.
+    #[arg(long, env = "SPECD_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    pub max_request_bytes: usize,
+}
+
 /// A bound gRPC listener with health and reflection ready to mount beside one service.
 pub struct GrpcServer {
     pub health: Health,
@@ -38,7 +47,8 @@ impl GrpcServer {
     }
 
     /// Serves health, reflection and whatever `mount` adds, in a task, until a shutdown
-    /// signal; in-flight calls drain before the task ends.
+    /// signal. On the signal, health turns NOT_SERVING (so callers route elsewhere), new
+    /// connections are refused, and in-flight calls drain before the task ends.
     pub fn serve(
         self,
         mount: impl FnOnce(Router) -> Router,
@@ -46,8 +56,12 @@ impl GrpcServer {
         let router = tonic::transport::Server::builder()
             .add_service(self.health_service)
             .add_service(reflection()?);
-        let server =
-            mount(router).serve_with_incoming_shutdown(TcpIncoming::from(self.listener), shutdown_signal());
+        let health = self.health.clone();
+        let draining = async move {
+            shutdown_signal().await;
+            health.set(false).await;
+        };
+        let server = mount(router).serve_with_incoming_shutdown(TcpIncoming::from(self.listener), draining);
         Ok(tokio::spawn(server))
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use specd_common::model_args::ModelArgs;
-use specd_common::serve::GrpcServer;
+use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramConfig};
 use specd_proto::DrafterServer;
 
@@ -35,6 +35,8 @@ struct Config {
     #[arg(long, env = "SPECD_LOG_JSON")]
     log_json: bool,
     #[command(flatten)]
+    serve: ServeArgs,
+    #[command(flatten)]
     model: ModelArgs,
 }
 
@@ -56,8 +58,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let health = grpc.health.clone();
     let service = DrafterService::default();
     let mounted = service.clone();
+    let max_request_bytes = config.serve.max_request_bytes;
     let server = grpc
-        .serve(|router| router.add_service(DrafterServer::new(mounted).max_decoding_message_size(64 << 20)))
+        .serve(|router| {
+            router.add_service(DrafterServer::new(mounted).max_decoding_message_size(max_request_bytes))
+        })
         .map_err(anyhow::Error::msg)?;
     tracing::info!(%local, lm = config.lm, "drafter listening");
     let lm = if config.lm {

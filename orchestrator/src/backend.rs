@@ -1,6 +1,8 @@
 //! The orchestrator's view of drafters and verifiers: two small traits, each implemented by
 //! the service core in-process (all-in-one mode) and by a gRPC client with a deadline. Both
 //! run the same service code; only the transport differs. Errors are gRPC statuses either way.
+//! Remote verifiers are used through a [`crate::pool::VerifierPool`]; the remote drafter sits
+//! behind a circuit breaker, so a dead drafter costs one refused call per step, not a timeout.
 
 use std::time::Duration;
 
@@ -10,13 +12,29 @@ use specd_proto::{DrafterClient, VerifierClient};
 use specd_verifier::VerifierCore;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
+use tower::ServiceExt;
+use tower::util::BoxCloneSyncService;
+
+use crate::breaker::{Breaker, BreakerConfig, BreakerState, CircuitBreakerLayer};
 
 /// Largest message the orchestrator accepts from a service (dense distributions are large).
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// A verifier's answer and how it was obtained.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    pub response: pb::VerifyResponse,
+    /// Calls made (1 unless retried).
+    pub attempts: u32,
+    /// Times the call moved to another replica.
+    pub failovers: u32,
+    /// The replica that answered.
+    pub replica: String,
+}
+
 #[tonic::async_trait]
 pub trait VerifierBackend: Send + Sync {
-    async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, Status>;
+    async fn verify(&self, request: pb::VerifyRequest) -> Result<Verified, Status>;
     async fn info(&self) -> Result<pb::InfoResponse, Status>;
     async fn release(&self, session_id: &str);
     /// A name for logs and stats (an address, or "in-process").
@@ -27,12 +45,21 @@ pub trait VerifierBackend: Send + Sync {
 pub trait DrafterBackend: Send + Sync {
     async fn propose(&self, request: pb::ProposeRequest) -> Result<pb::ProposeResponse, Status>;
     async fn info(&self) -> Result<pb::InfoResponse, Status>;
+    /// The circuit breaker's state, for a remote drafter.
+    fn breaker_state(&self) -> Option<BreakerState> {
+        None
+    }
 }
 
 #[tonic::async_trait]
 impl VerifierBackend for VerifierCore {
-    async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, Status> {
-        Ok(VerifierCore::verify(self, request).await?)
+    async fn verify(&self, request: pb::VerifyRequest) -> Result<Verified, Status> {
+        Ok(Verified {
+            response: VerifierCore::verify(self, request).await?,
+            attempts: 1,
+            failovers: 0,
+            replica: "in-process".into(),
+        })
     }
 
     async fn info(&self) -> Result<pb::InfoResponse, Status> {
@@ -96,30 +123,33 @@ async fn bounded<T>(deadline: Duration, call: impl Future<Output = Result<T, Sta
     }
 }
 
-/// A verifier reached over gRPC.
+/// One verifier replica reached over gRPC (the pool holds one per replica).
 #[derive(Clone)]
 pub struct GrpcVerifier {
+    channel: Channel,
     client: VerifierClient<Channel>,
-    url: String,
     deadline: Duration,
 }
 
 impl GrpcVerifier {
     pub fn new(url: &str, deadline: Duration) -> Result<Self, String> {
-        let client = VerifierClient::new(channel(url, deadline)?)
+        let channel = channel(url, deadline)?;
+        let client = VerifierClient::new(channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok(Self {
+            channel,
             client,
-            url: url.to_string(),
             deadline,
         })
     }
-}
 
-#[tonic::async_trait]
-impl VerifierBackend for GrpcVerifier {
-    async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, Status> {
+    /// The connection, for other clients (health checks) to share.
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    pub async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
             Ok(client
@@ -130,7 +160,7 @@ impl VerifierBackend for GrpcVerifier {
         .await
     }
 
-    async fn info(&self) -> Result<pb::InfoResponse, Status> {
+    pub async fn info(&self) -> Result<pb::InfoResponse, Status> {
         let mut client = self.client.clone();
         bounded(self.deadline, async move {
             Ok(client
@@ -141,7 +171,7 @@ impl VerifierBackend for GrpcVerifier {
         .await
     }
 
-    async fn release(&self, session_id: &str) {
+    pub async fn release(&self, session_id: &str) {
         let mut client = self.client.clone();
         let request = pb::ReleaseRequest {
             session_id: session_id.to_string(),
@@ -151,39 +181,53 @@ impl VerifierBackend for GrpcVerifier {
         })
         .await;
     }
-
-    fn name(&self) -> String {
-        self.url.clone()
-    }
 }
 
-/// A drafter reached over gRPC.
+type ProposeService = BoxCloneSyncService<pb::ProposeRequest, pb::ProposeResponse, Status>;
+
+/// A drafter reached over gRPC, behind a circuit breaker.
 #[derive(Clone)]
 pub struct GrpcDrafter {
     client: DrafterClient<Channel>,
+    propose: ProposeService,
+    breaker: Breaker,
     deadline: Duration,
 }
 
 impl GrpcDrafter {
-    pub fn new(url: &str, deadline: Duration) -> Result<Self, String> {
+    pub fn new(url: &str, deadline: Duration, breaker: BreakerConfig) -> Result<Self, String> {
         let client = DrafterClient::new(channel(url, deadline)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        Ok(Self { client, deadline })
+        let breaker = Breaker::new(format!("drafter {url}"), breaker);
+        let calls = client.clone();
+        let propose = tower::ServiceBuilder::new()
+            .layer(CircuitBreakerLayer::new(breaker.clone()))
+            .service_fn(move |request: pb::ProposeRequest| {
+                let mut client = calls.clone();
+                async move {
+                    bounded(deadline, async move {
+                        Ok(client
+                            .propose(with_deadline(request, deadline))
+                            .await?
+                            .into_inner())
+                    })
+                    .await
+                }
+            });
+        Ok(Self {
+            client,
+            propose: BoxCloneSyncService::new(propose),
+            breaker,
+            deadline,
+        })
     }
 }
 
 #[tonic::async_trait]
 impl DrafterBackend for GrpcDrafter {
     async fn propose(&self, request: pb::ProposeRequest) -> Result<pb::ProposeResponse, Status> {
-        let mut client = self.client.clone();
-        bounded(self.deadline, async move {
-            Ok(client
-                .propose(with_deadline(request, self.deadline))
-                .await?
-                .into_inner())
-        })
-        .await
+        self.propose.clone().oneshot(request).await
     }
 
     async fn info(&self) -> Result<pb::InfoResponse, Status> {
@@ -196,4 +240,27 @@ impl DrafterBackend for GrpcDrafter {
         })
         .await
     }
+
+    fn breaker_state(&self) -> Option<BreakerState> {
+        Some(self.breaker.state())
+    }
+}
+
+/// Refuses a service whose tokenizer differs from ours: its drafts or scores would be
+/// meaningless.
+pub fn check_identity(
+    role: &str,
+    url: &str,
+    model: Option<&pb::ModelIdentity>,
+    ours: &str,
+) -> Result<(), String> {
+    let model = model.ok_or_else(|| format!("{role} {url} did not report its model"))?;
+    if model.tokenizer_identity != ours {
+        return Err(format!(
+            "{role} {url} runs `{}` whose tokenizer ({}) differs from the orchestrator's ({ours}); \
+             drafts and scores would be meaningless. Point both at models with the same tokenizer.",
+            model.name, model.tokenizer_identity
+        ));
+    }
+    Ok(())
 }

@@ -7,6 +7,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tokio::sync::Semaphore;
+
 use prost::Message;
 use specd_common::convert::{distribution_from_proto, sampling_to_proto};
 use specd_model::{Sampler, SparseDist, TextModel};
@@ -16,8 +18,10 @@ use crate::acceptance::{accept_greedy, accept_sampled};
 use crate::adaptive::{CostModel, bucket};
 use crate::backend::{DrafterBackend, VerifierBackend};
 use crate::error::OrchestratorError;
+use crate::pool::VerifierPool;
 use crate::request::{Drafter, GenerationParams, Input, Limits, validate};
 use crate::session::{Session, SessionStore};
+use crate::setup::GeneratorSettings;
 use crate::stop::StopMatcher;
 
 /// Receives text as it is accepted (streaming); `None` for unary calls.
@@ -26,10 +30,15 @@ pub type ChunkSink<'a> = Option<&'a tokio::sync::mpsc::Sender<pb::TokenChunk>>;
 pub struct Generator {
     pub verifier: Arc<dyn VerifierBackend>,
     pub drafter: Option<Arc<dyn DrafterBackend>>,
+    /// The remote verifier pool behind `verifier`, for status reports.
+    pub pool: Option<Arc<VerifierPool>>,
     pub text: TextModel,
     pub costs: Arc<CostModel>,
     pub sessions: SessionStore,
     pub limits: Limits,
+    /// Requests served at once; when none is free, new ones are refused at once.
+    admission: Arc<Semaphore>,
+    max_concurrent_requests: usize,
 }
 
 /// Running totals of one request.
@@ -44,14 +53,42 @@ struct Totals {
     bytes_received: u64,
     draft_seconds: f64,
     verify_seconds: f64,
+    retries: u32,
+    failovers: u32,
 }
 
 impl Generator {
+    pub fn new(
+        verifier: Arc<dyn VerifierBackend>,
+        drafter: Option<Arc<dyn DrafterBackend>>,
+        text: TextModel,
+        settings: GeneratorSettings,
+    ) -> Self {
+        let max_concurrent_requests = settings.max_concurrent_requests.max(1);
+        Self {
+            verifier,
+            drafter,
+            pool: None,
+            text,
+            costs: Arc::new(CostModel::default()),
+            sessions: SessionStore::new(settings.session_ttl, settings.max_sessions),
+            limits: settings.limits,
+            admission: Arc::new(Semaphore::new(max_concurrent_requests)),
+            max_concurrent_requests,
+        }
+    }
+
     pub async fn generate(
         &self,
         request: &pb::GenerateRequest,
         sink: ChunkSink<'_>,
     ) -> Result<pb::GenerateResponse, OrchestratorError> {
+        let _admitted = self.admission.clone().try_acquire_owned().map_err(|_| {
+            OrchestratorError::ResourceExhausted(format!(
+                "the orchestrator is serving its limit of {} requests; retry later",
+                self.max_concurrent_requests
+            ))
+        })?;
         let params = validate(request, &self.limits, self.text.config.vocab_size)?;
         let mut session = match &params.session_id {
             Some(id) => self.sessions.acquire(id)?,
@@ -200,11 +237,14 @@ impl Generator {
             };
             totals.bytes_sent += request.encoded_len() as u64;
             let verify_started = Instant::now();
-            let response = self
+            let verified = self
                 .verifier
                 .verify(request)
                 .await
                 .map_err(|s| OrchestratorError::downstream("verifier", s))?;
+            totals.retries += verified.attempts - 1;
+            totals.failovers += verified.failovers;
+            let response = verified.response;
             let verify_seconds = verify_started.elapsed().as_secs_f64();
             // Cost per scored token: a pass that also (re)computed context (prompt processing,
             // a cache miss) would distort the curve, so only cache-warm passes count.
@@ -316,6 +356,8 @@ impl Generator {
                 later_tokens as f64 / (decode_seconds - ttft).max(1e-9)
             },
             time_to_first_token_seconds: ttft,
+            retries: totals.retries,
+            failovers: totals.failovers,
             mean_k: if totals.drafted_steps == 0 {
                 0.0
             } else {
@@ -380,7 +422,8 @@ impl Generator {
         let response = match result {
             Ok(r) => r,
             Err(status) => {
-                tracing::warn!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
+                // Logged once per breaker transition (warn) rather than once per step.
+                tracing::debug!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
                 return (vec![], vec![], 0);
             }
         };

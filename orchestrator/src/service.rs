@@ -7,6 +7,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::generate::Generator;
+use crate::pool::breaker_to_proto;
 
 #[derive(Clone)]
 pub struct OrchestratorService {
@@ -63,6 +64,24 @@ impl specd_proto::Orchestrator for OrchestratorService {
             let _ = tx.send(last.map_err(Status::from)).await;
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn replicas(
+        &self,
+        _request: Request<pb::ReplicasRequest>,
+    ) -> Result<Response<pb::ReplicasResponse>, Status> {
+        let generator = &self.generator;
+        let (retries, failovers) = generator.pool.as_ref().map(|p| p.totals()).unwrap_or_default();
+        Ok(Response::new(pb::ReplicasResponse {
+            verifiers: generator.pool.as_ref().map(|p| p.status()).unwrap_or_default(),
+            drafter_breaker: generator
+                .drafter
+                .as_ref()
+                .and_then(|d| d.breaker_state())
+                .map_or(pb::BreakerState::Unspecified, breaker_to_proto) as i32,
+            retries,
+            failovers,
+        }))
     }
 
     async fn info(&self, _request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {

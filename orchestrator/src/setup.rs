@@ -1,19 +1,19 @@
 //! Building a [`Generator`]: all-in-one (the drafter and verifier cores in this process,
-//! sharing one loaded model) or against remote services, after checking that every service
-//! speaks the same tokenizer.
+//! sharing one loaded model) or against remote services (a verifier pool and a drafter behind
+//! a breaker), after checking that every service speaks the same tokenizer.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use specd_drafter::{DrafterCore, LmDrafter, NgramConfig};
 use specd_model::{LoadedModel, TextModel};
 use specd_verifier::VerifierCore;
 
-use crate::adaptive::CostModel;
-use crate::backend::{DrafterBackend, GrpcDrafter, GrpcVerifier, VerifierBackend};
+use crate::backend::{DrafterBackend, GrpcDrafter, VerifierBackend, check_identity};
+use crate::breaker::BreakerConfig;
 use crate::generate::Generator;
+use crate::pool::{PoolConfig, VerifierPool};
 use crate::request::Limits;
-use crate::session::SessionStore;
 
 /// Settings shared by both ways of building a generator.
 #[derive(Debug, Clone)]
@@ -22,6 +22,8 @@ pub struct GeneratorSettings {
     pub session_ttl: Duration,
     pub max_sessions: usize,
     pub ngram: NgramConfig,
+    /// Most requests served at once; more are refused with ResourceExhausted.
+    pub max_concurrent_requests: usize,
 }
 
 impl Default for GeneratorSettings {
@@ -31,6 +33,7 @@ impl Default for GeneratorSettings {
             session_ttl: Duration::from_secs(600),
             max_sessions: 1024,
             ngram: NgramConfig::default(),
+            max_concurrent_requests: 256,
         }
     }
 }
@@ -44,57 +47,40 @@ pub fn in_process(loaded: LoadedModel, settings: GeneratorSettings) -> Generator
         settings.ngram,
         Some(LmDrafter::new(loaded.engine.clone())),
     ));
-    Generator {
-        verifier,
-        drafter: Some(drafter),
-        text: TextModel {
-            tokenizer: loaded.tokenizer,
-            chat_template: loaded.chat_template,
-            config: loaded.config,
-        },
-        costs: Arc::new(CostModel::default()),
-        sessions: SessionStore::new(settings.session_ttl, settings.max_sessions),
-        limits: settings.limits,
-    }
+    let text = TextModel {
+        tokenizer: loaded.tokenizer,
+        chat_template: loaded.chat_template,
+        config: loaded.config,
+    };
+    Generator::new(verifier, Some(drafter), text, settings)
 }
 
-/// Remote services. Waits up to `ready_timeout` for the verifier to answer `Info`, then
-/// refuses to start if its tokenizer (or an LM drafter's) differs from `text`'s.
+/// How to reach remote services.
+#[derive(Debug, Clone)]
+pub struct RemoteSettings {
+    pub pool: PoolConfig,
+    pub drafter_url: Option<String>,
+    pub drafter_breaker: BreakerConfig,
+    /// How long to wait at start-up for a verifier replica to be ready.
+    pub ready_timeout: Duration,
+}
+
+/// Remote services: a verifier pool and optionally a drafter. Waits up to `ready_timeout`
+/// for a verifier replica to be ready; refuses to start if every replica's tokenizer (or an
+/// LM drafter's) differs from `text`'s.
 pub async fn remote(
     text: TextModel,
-    verifier_url: &str,
-    drafter_url: Option<&str>,
-    deadline: Duration,
-    ready_timeout: Duration,
+    mut remote: RemoteSettings,
     settings: GeneratorSettings,
 ) -> Result<Generator, String> {
-    let verifier = GrpcVerifier::new(verifier_url, deadline)?;
     let ours = text.tokenizer.identity().to_string();
-    let started = Instant::now();
-    let info = loop {
-        match verifier.info().await {
-            Ok(info) => break info,
-            Err(status) if started.elapsed() < ready_timeout => {
-                tracing::info!(
-                    url = verifier_url,
-                    message = status.message(),
-                    "waiting for the verifier"
-                );
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(status) => {
-                return Err(format!(
-                    "verifier {verifier_url} is not answering: {}",
-                    status.message()
-                ));
-            }
-        }
-    };
-    check_identity("verifier", verifier_url, info.model.as_ref(), &ours)?;
-    let drafter: Option<Arc<dyn DrafterBackend>> = match drafter_url {
+    remote.pool.tokenizer_identity = ours.clone();
+    let pool = VerifierPool::start(remote.pool.clone()).await?;
+    pool.wait_ready(remote.ready_timeout).await?;
+    let drafter: Option<Arc<dyn DrafterBackend>> = match remote.drafter_url.as_deref() {
         None => None,
         Some(url) => {
-            let drafter = GrpcDrafter::new(url, deadline)?;
+            let drafter = GrpcDrafter::new(url, remote.pool.deadline, remote.drafter_breaker)?;
             match drafter.info().await {
                 Ok(info) => {
                     if info.model.is_some() {
@@ -109,29 +95,7 @@ pub async fn remote(
             Some(Arc::new(drafter))
         }
     };
-    Ok(Generator {
-        verifier: Arc::new(verifier),
-        drafter,
-        text,
-        costs: Arc::new(CostModel::default()),
-        sessions: SessionStore::new(settings.session_ttl, settings.max_sessions),
-        limits: settings.limits,
-    })
-}
-
-fn check_identity(
-    role: &str,
-    url: &str,
-    model: Option<&specd_proto::v1::ModelIdentity>,
-    ours: &str,
-) -> Result<(), String> {
-    let model = model.ok_or_else(|| format!("{role} {url} did not report its model"))?;
-    if model.tokenizer_identity != ours {
-        return Err(format!(
-            "{role} {url} runs `{}` whose tokenizer ({}) differs from the orchestrator's ({ours}); \
-             drafts and scores would be meaningless. Point both at models with the same tokenizer.",
-            model.name, model.tokenizer_identity
-        ));
-    }
-    Ok(())
+    let mut generator = Generator::new(pool.clone(), drafter, text, settings);
+    generator.pool = Some(pool);
+    Ok(generator)
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use specd_common::model_args::ModelArgs;
-use specd_common::serve::GrpcServer;
+use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_model::ScoreRequest;
 use specd_proto::VerifierServer;
 use specd_verifier::{VerifierCore, VerifierService};
@@ -28,6 +28,8 @@ struct Config {
     /// Log one JSON object per line instead of text.
     #[arg(long, env = "SPECD_LOG_JSON")]
     log_json: bool,
+    #[command(flatten)]
+    serve: ServeArgs,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -54,8 +56,11 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let loading = tokio::task::spawn_blocking(move || model_args.load());
     let service = VerifierService::default();
     let mounted = service.clone();
+    let max_request_bytes = config.serve.max_request_bytes;
     let server = grpc
-        .serve(|router| router.add_service(VerifierServer::new(mounted).max_decoding_message_size(64 << 20)))
+        .serve(|router| {
+            router.add_service(VerifierServer::new(mounted).max_decoding_message_size(max_request_bytes))
+        })
         .map_err(anyhow::Error::msg)?;
     tracing::info!(%local, "verifier listening; loading model");
     let loaded = loading.await?.context("cannot load the model")?;

@@ -1,6 +1,7 @@
-//! `orchestrator`: serves the public `specd.v1.Orchestrator` API against a remote verifier
-//! and drafter, with health and reflection. Refuses to start when a service's tokenizer
-//! differs from the model it was given.
+//! `orchestrator`: serves the public `specd.v1.Orchestrator` API against a pool of remote
+//! verifier replicas (static endpoints and/or DNS names) and a drafter, with health and
+//! reflection. Refuses to start when no verifier replica's tokenizer matches the model it
+//! was given.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -8,10 +9,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use specd_common::serve::GrpcServer;
+use specd_common::serve::{GrpcServer, ServeArgs};
+use specd_orchestrator::breaker::BreakerConfig;
+use specd_orchestrator::pool::PoolConfig;
+use specd_orchestrator::pool::discovery::parse_targets;
+use specd_orchestrator::pool::retry::RetryConfig;
 use specd_orchestrator::request::Limits;
 use specd_orchestrator::service::OrchestratorService;
-use specd_orchestrator::setup::{GeneratorSettings, remote};
+use specd_orchestrator::setup::{GeneratorSettings, RemoteSettings, remote};
 use specd_proto::OrchestratorServer;
 
 #[derive(Debug, Parser)]
@@ -24,9 +29,43 @@ struct Config {
     /// Address to listen on.
     #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50050")]
     listen: SocketAddr,
-    /// Verifier endpoint, e.g. http://127.0.0.1:50052.
-    #[arg(long, env = "SPECD_VERIFIER", default_value = "http://127.0.0.1:50052")]
-    verifier: String,
+    /// Verifier replica endpoints, comma-separated, e.g. http://10.0.0.5:50052. Default:
+    /// http://127.0.0.1:50052 when no --verifier-dns is given either.
+    #[arg(long, env = "SPECD_VERIFIER", value_delimiter = ',')]
+    verifier: Vec<String>,
+    /// DNS names (host:port), comma-separated, re-resolved periodically; every address is
+    /// a replica (a compose service scaled to N, a Kubernetes headless Service).
+    #[arg(long, env = "SPECD_VERIFIER_DNS", value_delimiter = ',')]
+    verifier_dns: Vec<String>,
+    /// How often DNS names are re-resolved, in milliseconds.
+    #[arg(long, env = "SPECD_RESOLVE_INTERVAL_MS", default_value_t = 5_000)]
+    resolve_interval_ms: u64,
+    /// How often each replica's gRPC health is checked, in milliseconds.
+    #[arg(long, env = "SPECD_HEALTH_INTERVAL_MS", default_value_t = 1_000)]
+    health_interval_ms: u64,
+    /// Most retries of one verifier call (on another replica when there is one).
+    #[arg(long, env = "SPECD_MAX_RETRIES", default_value_t = 3)]
+    max_retries: usize,
+    /// First retry backoff in milliseconds; later ones double (up to 1 s), with jitter.
+    #[arg(long, env = "SPECD_RETRY_BASE_MS", default_value_t = 25)]
+    retry_base_ms: u64,
+    /// Retries earned per verifier call (the retry budget), e.g. 0.2 = one per five calls.
+    #[arg(long, env = "SPECD_RETRY_BUDGET_RATIO", default_value_t = 0.2)]
+    retry_budget_ratio: f64,
+    /// Consecutive failures that open a replica's (or the drafter's) circuit breaker.
+    #[arg(long, env = "SPECD_BREAKER_FAILURES", default_value_t = 3)]
+    breaker_failures: u32,
+    /// How long an open breaker refuses calls before a probe, in milliseconds.
+    #[arg(long, env = "SPECD_BREAKER_OPEN_MS", default_value_t = 5_000)]
+    breaker_open_ms: u64,
+    /// A new session skips replicas carrying more than this multiple of the mean load.
+    #[arg(long, env = "SPECD_LOAD_FACTOR", default_value_t = 1.25)]
+    load_factor: f64,
+    /// Most requests served at once; more are refused with ResourceExhausted.
+    #[arg(long, env = "SPECD_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    max_concurrent_requests: usize,
+    #[command(flatten)]
+    serve: ServeArgs,
     /// Drafter endpoint, e.g. http://127.0.0.1:50051; without one, decoding is plain.
     #[arg(long, env = "SPECD_DRAFTER")]
     drafter: Option<String>,
@@ -83,24 +122,54 @@ async fn main() -> anyhow::Result<()> {
         },
         session_ttl: Duration::from_secs(config.session_ttl_s),
         max_sessions: config.max_sessions,
+        max_concurrent_requests: config.max_concurrent_requests,
         ..GeneratorSettings::default()
+    };
+    let mut urls = config.verifier.clone();
+    if urls.is_empty() && config.verifier_dns.is_empty() {
+        urls.push("http://127.0.0.1:50052".into());
+    }
+    let breaker = BreakerConfig {
+        failure_threshold: config.breaker_failures.max(1),
+        open_for: Duration::from_millis(config.breaker_open_ms),
+    };
+    let pool = PoolConfig {
+        targets: parse_targets(&urls, &config.verifier_dns).map_err(anyhow::Error::msg)?,
+        deadline: Duration::from_millis(config.call_deadline_ms),
+        resolve_interval: Duration::from_millis(config.resolve_interval_ms.max(100)),
+        health_interval: Duration::from_millis(config.health_interval_ms.max(50)),
+        retry: RetryConfig {
+            max_retries: config.max_retries,
+            base_delay: Duration::from_millis(config.retry_base_ms),
+            budget_ratio: config.retry_budget_ratio,
+            ..RetryConfig::default()
+        },
+        breaker,
+        load_factor: config.load_factor,
+        max_pins: config.max_sessions.saturating_mul(2).max(1024),
+        tokenizer_identity: String::new(),
     };
     let generator = remote(
         text,
-        &config.verifier,
-        config.drafter.as_deref(),
-        Duration::from_millis(config.call_deadline_ms),
-        Duration::from_secs(config.ready_timeout_s),
+        RemoteSettings {
+            pool,
+            drafter_url: config.drafter.clone(),
+            drafter_breaker: breaker,
+            ready_timeout: Duration::from_secs(config.ready_timeout_s),
+        },
         settings,
     )
     .await
     .map_err(anyhow::Error::msg)?;
     let service = OrchestratorService::new(Arc::new(generator));
     health.set(true).await;
-    tracing::info!(listen = %local, verifier = %config.verifier, drafter = ?config.drafter, "orchestrator serving");
-    grpc.serve(|router| router.add_service(OrchestratorServer::new(service)))
-        .map_err(anyhow::Error::msg)?
-        .await??;
+    tracing::info!(listen = %local, verifier = ?urls, verifier_dns = ?config.verifier_dns, drafter = ?config.drafter, "orchestrator serving");
+    let max_request_bytes = config.serve.max_request_bytes;
+    grpc.serve(|router| {
+        router.add_service(OrchestratorServer::new(service).max_decoding_message_size(max_request_bytes))
+    })
+    .map_err(anyhow::Error::msg)?
+    .await??;
     tracing::info!("orchestrator stopped");
     Ok(())
 }
