@@ -314,6 +314,10 @@ impl Worker {
                 queued_at,
             } => (request, reply, queued_at),
         };
+        if reply.is_closed() {
+            // The caller gave up (deadline, disconnect) while the job waited: skip it.
+            return;
+        }
         if batch.iter().any(|p| p.sequence == request.sequence) {
             // One sequence appears once per pass; it goes in the next one.
             self.deferred.push_back(Job::Score {
@@ -423,5 +427,58 @@ impl Worker {
             }
         }
         self.cache.enforce_bound();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use crate::synthetic::{SyntheticSpec, write_tiny_llama};
+
+    fn tiny_engine(options: EngineOptions) -> (tempfile::NamedTempFile, LoadedModel) {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        write_tiny_llama(file.path(), &SyntheticSpec::default()).unwrap();
+        let loaded = load(file.path(), options).unwrap();
+        (file, loaded)
+    }
+
+    #[test]
+    fn a_full_queue_refuses_at_once_and_the_admitted_jobs_complete() {
+        let (_file, loaded) = tiny_engine(EngineOptions {
+            max_queue: 1,
+            max_batch_tokens: 1,
+            ..EngineOptions::default()
+        });
+        let engine = loaded.engine;
+        let context: Vec<u32> = (0..200).map(|i| 3 + (i % 250)).collect();
+        let mut admitted = Vec::new();
+        let mut refused = 0;
+        let started = Instant::now();
+        for i in 0..8 {
+            match engine.submit(ScoreRequest {
+                sequence: format!("s{i}"),
+                context: context.clone(),
+                logits_from: context.len() - 1,
+            }) {
+                Ok(receiver) => admitted.push(receiver),
+                Err(ModelError::Overloaded) => refused += 1,
+                Err(other) => panic!("{other}"),
+            }
+        }
+        // Refusals are immediate: eight submissions take no forward pass's time.
+        assert!(
+            started.elapsed() < Duration::from_millis(50),
+            "{:?}",
+            started.elapsed()
+        );
+        // One job runs and one waits (a third may slip in as the first is taken): the
+        // others are refused.
+        assert!(refused >= 5, "refused {refused} of 8 with a queue of 1");
+        for receiver in admitted {
+            let scores = receiver.blocking_recv().unwrap().unwrap();
+            assert_eq!(scores.logits.len(), scores.vocab);
+        }
     }
 }

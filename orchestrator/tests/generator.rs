@@ -11,6 +11,10 @@ use specd_orchestrator::{Generator, OrchestratorError};
 use specd_proto::v1 as pb;
 
 fn generator(context_length: usize) -> (tempfile::TempDir, Arc<Generator>) {
+    generator_with(context_length, GeneratorSettings::default())
+}
+
+fn generator_with(context_length: usize, settings: GeneratorSettings) -> (tempfile::TempDir, Arc<Generator>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     write_tiny_llama(
@@ -22,7 +26,7 @@ fn generator(context_length: usize) -> (tempfile::TempDir, Arc<Generator>) {
     )
     .unwrap();
     let loaded: LoadedModel = specd_model::load(&path, EngineOptions::default()).unwrap();
-    (dir, Arc::new(in_process(loaded, GeneratorSettings::default())))
+    (dir, Arc::new(in_process(loaded, settings)))
 }
 
 fn prompt(text: &str, max_tokens: u32) -> pb::GenerateRequest {
@@ -110,4 +114,49 @@ async fn greedy_speculation_equals_plain_on_a_tiny_model() {
             );
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_over_the_concurrency_limit_are_refused_at_once() {
+    let (_dir, generator) = generator_with(
+        256,
+        GeneratorSettings {
+            max_concurrent_requests: 1,
+            ..GeneratorSettings::default()
+        },
+    );
+    // A random model may end at once; take a prompt it continues for 64 tokens.
+    let mut long = None;
+    for text in ["the", "in", "a", "er", "x", "q", "7"] {
+        let out = generator.generate(&prompt(text, 64), None).await.unwrap();
+        if out.token_ids.len() == 64 {
+            long = Some(text);
+            break;
+        }
+    }
+    let long = long.expect("some prompt runs to max_tokens");
+    // A streaming request whose client does not read holds the only slot.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+    let holder = {
+        let generator = generator.clone();
+        tokio::spawn(async move { generator.generate(&prompt(long, 64), Some(&tx)).await })
+    };
+    let Some(first_chunk) = rx.recv().await else {
+        panic!("the first request ended: {:?}", holder.await);
+    };
+    assert!(!first_chunk.token_ids.is_empty());
+    let started = std::time::Instant::now();
+    let refused = generator.generate(&prompt("the", 4), None).await;
+    assert!(
+        matches!(&refused, Err(OrchestratorError::ResourceExhausted(m)) if m.contains("limit of 1 requests")),
+        "{refused:?}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(1),
+        "refused by a timeout"
+    );
+    // Once the first finishes, the slot is free again.
+    while rx.recv().await.is_some() {}
+    holder.await.unwrap().unwrap();
+    generator.generate(&prompt("the", 4), None).await.unwrap();
 }

@@ -12,9 +12,7 @@ use specd_drafter::{DrafterCore, LmDrafter, NgramConfig};
 use specd_model::synthetic::{SyntheticSpec, write_tiny_llama};
 use specd_model::{EngineOptions, SamplingParams, ScoreRequest, TextModel, warp};
 use specd_orchestrator::Generator;
-use specd_orchestrator::adaptive::CostModel;
-use specd_orchestrator::request::Limits;
-use specd_orchestrator::session::SessionStore;
+use specd_orchestrator::setup::GeneratorSettings;
 use specd_proto::v1 as pb;
 use specd_verifier::VerifierCore;
 
@@ -94,21 +92,22 @@ async fn sampled_speculation_matches_the_target_distribution() {
         }
     }
 
-    let generator = Generator {
-        verifier: Arc::new(VerifierCore::new(target.engine.clone(), "in-process".into())),
-        drafter: Some(Arc::new(DrafterCore::new(
+    let generator = Generator::new(
+        Arc::new(VerifierCore::new(target.engine.clone(), "in-process".into())),
+        Some(Arc::new(DrafterCore::new(
             NgramConfig::default(),
             Some(LmDrafter::new(draft.engine.clone())),
         ))),
-        text: TextModel {
+        TextModel {
             tokenizer: target.tokenizer.clone(),
             chat_template: target.chat_template.clone(),
             config: target.config.clone(),
         },
-        costs: Arc::new(CostModel::default()),
-        sessions: SessionStore::new(std::time::Duration::from_secs(60), RUNS + 10),
-        limits: Limits::default(),
-    };
+        GeneratorSettings {
+            max_sessions: RUNS + 10,
+            ..GeneratorSettings::default()
+        },
+    );
     let mut observed: HashMap<Vec<u32>, usize> = HashMap::new();
     let (mut proposed, mut accepted) = (0u32, 0u32);
     for seed in 0..RUNS as u64 {

@@ -54,7 +54,11 @@ pub struct Service {
 impl Service {
     /// Starts the binary at `path` listening on a fresh loopback port with extra `args`.
     pub fn start(name: &'static str, path: &str, args: &[&str]) -> Self {
-        let port = free_port();
+        Self::start_on(name, path, free_port(), args)
+    }
+
+    /// Starts the binary at `path` listening on loopback `port` (e.g. a restart).
+    pub fn start_on(name: &'static str, path: &str, port: u16, args: &[&str]) -> Self {
         let child = Command::new(path)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
@@ -101,6 +105,15 @@ impl Service {
         }
     }
 
+    /// The port this service listens on.
+    pub fn port(&self) -> u16 {
+        self.url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("a port in the url")
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -123,36 +136,85 @@ impl Drop for Service {
     }
 }
 
-/// A drafter (with the LM drafter on the default model), a verifier and an orchestrator on
-/// loopback, all SERVING.
+/// A drafter, one or more verifiers and an orchestrator on loopback, all SERVING.
 pub struct Stack {
     pub drafter: Service,
-    pub verifier: Service,
+    pub verifiers: Vec<Service>,
     pub orchestrator: Service,
 }
 
+/// What to start.
+pub struct StackOptions<'a> {
+    pub verifiers: usize,
+    /// Offer the LM drafter (loads the model a further time) besides prompt lookup.
+    pub lm_drafter: bool,
+    pub verifier_args: &'a [&'a str],
+    pub drafter_args: &'a [&'a str],
+    pub orchestrator_args: &'a [&'a str],
+}
+
+impl Default for StackOptions<'_> {
+    fn default() -> Self {
+        Self {
+            verifiers: 1,
+            lm_drafter: true,
+            verifier_args: &[],
+            drafter_args: &[],
+            orchestrator_args: &[],
+        }
+    }
+}
+
 impl Stack {
+    /// One verifier and a drafter with the LM drafter.
     pub async fn start(bins: Binaries, orchestrator_args: &[&str]) -> Self {
+        Self::start_with(
+            bins,
+            StackOptions {
+                orchestrator_args,
+                ..StackOptions::default()
+            },
+        )
+        .await
+    }
+
+    pub async fn start_with(bins: Binaries, options: StackOptions<'_>) -> Self {
         let model = default_model();
         let model = model.to_str().expect("utf-8 path");
-        let mut verifier = Service::start("verifier-svc", bins.verifier, &["--model", model]);
-        let mut drafter = Service::start("drafter-svc", bins.drafter, &["--lm", "--model", model]);
-        verifier.wait_serving(Duration::from_secs(120)).await;
+        let mut verifier_args = vec!["--model", model];
+        verifier_args.extend_from_slice(options.verifier_args);
+        let mut verifiers: Vec<Service> = (0..options.verifiers)
+            .map(|_| Service::start("verifier-svc", bins.verifier, &verifier_args))
+            .collect();
+        let mut drafter_args = vec!["--model", model];
+        if options.lm_drafter {
+            drafter_args.push("--lm");
+        }
+        drafter_args.extend_from_slice(options.drafter_args);
+        let mut drafter = Service::start("drafter-svc", bins.drafter, &drafter_args);
+        for verifier in &mut verifiers {
+            verifier.wait_serving(Duration::from_secs(120)).await;
+        }
         drafter.wait_serving(Duration::from_secs(120)).await;
+        let endpoints = verifiers
+            .iter()
+            .map(|v| v.url.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         let mut args = vec![
             "--model",
             model,
             "--verifier",
-            &verifier.url,
+            &endpoints,
             "--drafter",
             &drafter.url,
         ];
-        args.extend_from_slice(orchestrator_args);
+        args.extend_from_slice(options.orchestrator_args);
         let mut orchestrator = Service::start("orchestrator", bins.orchestrator, &args);
         orchestrator.wait_serving(Duration::from_secs(120)).await;
         Self {
             drafter,
-            verifier,
+            verifiers,
             orchestrator,
         }
     }
@@ -161,5 +223,63 @@ impl Stack {
         specd_proto::OrchestratorClient::connect(self.orchestrator.url.clone())
             .await
             .expect("connect to the orchestrator")
+    }
+
+    /// The orchestrator's view of its verifier pool and drafter.
+    pub async fn replicas(&self) -> specd_proto::v1::ReplicasResponse {
+        self.client()
+            .await
+            .replicas(specd_proto::v1::ReplicasRequest {})
+            .await
+            .expect("Replicas")
+            .into_inner()
+    }
+
+    /// The verifier process behind a pool endpoint.
+    pub fn verifier_at(&self, endpoint: &str) -> &Service {
+        self.verifiers
+            .iter()
+            .find(|v| v.url == endpoint)
+            .unwrap_or_else(|| panic!("no verifier at {endpoint}"))
+    }
+
+    /// Waits until some verifier has a call in flight and returns its endpoint.
+    pub async fn busy_verifier(&self, timeout: Duration) -> String {
+        let started = Instant::now();
+        loop {
+            let replicas = self.replicas().await;
+            if let Some(busy) = replicas.verifiers.iter().find(|r| r.in_flight > 0) {
+                return busy.endpoint.clone();
+            }
+            assert!(started.elapsed() < timeout, "no verifier got busy: {replicas:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits until `check` holds for the replica at `endpoint`.
+    pub async fn wait_replica(
+        &self,
+        endpoint: &str,
+        timeout: Duration,
+        what: &str,
+        check: impl Fn(&specd_proto::v1::ReplicaStatus) -> bool,
+    ) -> specd_proto::v1::ReplicaStatus {
+        let started = Instant::now();
+        loop {
+            let replicas = self.replicas().await;
+            let replica = replicas
+                .verifiers
+                .iter()
+                .find(|r| r.endpoint == endpoint)
+                .unwrap_or_else(|| panic!("{endpoint} not in the pool: {replicas:?}"));
+            if check(replica) {
+                return replica.clone();
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "{endpoint} never became {what}: {replica:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
