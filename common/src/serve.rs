@@ -1,10 +1,13 @@
 //! gRPC serving for every service binary: a listener with health (NOT_SERVING until the
 //! service says it is ready, e.g. its model is loaded and warm) and reflection over specd's
-//! descriptor set already mounted, served until SIGTERM or Ctrl-C.
+//! descriptor set already mounted, every call in a server span joined to the caller's trace,
+//! served until SIGTERM or Ctrl-C.
 
 use std::net::SocketAddr;
 
 use tokio::net::TcpListener;
+
+use crate::telemetry::TraceContextLayer;
 use tonic::transport::server::{Router, TcpIncoming};
 use tonic_health::ServingStatus;
 use tonic_health::pb::health_server::HealthServer;
@@ -18,6 +21,9 @@ pub struct ServeArgs {
     #[arg(long, env = "SPECD_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
 }
+
+/// A router whose every call runs in a trace-context-aware server span.
+pub type TracedRouter = Router<tower::layer::util::Stack<TraceContextLayer, tower::layer::util::Identity>>;
 
 /// A bound gRPC listener with health and reflection ready to mount beside one service.
 pub struct GrpcServer {
@@ -51,9 +57,10 @@ impl GrpcServer {
     /// connections are refused, and in-flight calls drain before the task ends.
     pub fn serve(
         self,
-        mount: impl FnOnce(Router) -> Router,
+        mount: impl FnOnce(TracedRouter) -> TracedRouter,
     ) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, String> {
         let router = tonic::transport::Server::builder()
+            .layer(TraceContextLayer)
             .add_service(self.health_service)
             .add_service(reflection()?);
         let health = self.health.clone();

@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 
 use specd_proto::v1 as pb;
 use tonic::{Request, Response, Status};
+use tracing::field::Empty;
 
 use crate::core::DrafterCore;
 
@@ -33,12 +34,25 @@ impl DrafterService {
 
 #[tonic::async_trait]
 impl specd_proto::Drafter for DrafterService {
-    #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id, k = request.get_ref().max_tokens))]
+    #[tracing::instrument(skip_all, fields(
+        session = %request.get_ref().session_id,
+        k = request.get_ref().max_tokens,
+        kind = request.get_ref().kind,
+        context = request.get_ref().context.len(),
+        proposed = Empty,
+        match_length = Empty,
+    ))]
     async fn propose(
         &self,
         request: Request<pb::ProposeRequest>,
     ) -> Result<Response<pb::ProposeResponse>, Status> {
-        Ok(Response::new(self.core()?.propose(request.into_inner()).await?))
+        let response = self.core()?.propose(request.into_inner()).await?;
+        let span = tracing::Span::current();
+        span.record("proposed", response.tokens.len());
+        span.record("match_length", response.match_length);
+        metrics::histogram!("specd_drafter_proposed_tokens").record(response.tokens.len() as f64);
+        metrics::histogram!("specd_drafter_seconds").record(response.draft_seconds);
+        Ok(Response::new(response))
     }
 
     async fn info(&self, _request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {

@@ -9,6 +9,7 @@
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Instant;
 
@@ -111,6 +112,8 @@ enum Job {
 pub struct Engine {
     jobs: SyncSender<Job>,
     info: Arc<ModelInfo>,
+    /// Jobs submitted and not yet taken by the engine thread.
+    waiting: Arc<AtomicUsize>,
 }
 
 /// Everything loaded from one GGUF file.
@@ -198,7 +201,9 @@ pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
 impl Engine {
     fn spawn(llama: Llama, info: ModelInfo, options: &EngineOptions) -> Result<Self> {
         let (jobs, queue) = std::sync::mpsc::sync_channel(options.max_queue.max(1));
+        let waiting = Arc::new(AtomicUsize::new(0));
         let worker = Worker {
+            waiting: waiting.clone(),
             cache: CacheStore::new(options.max_cache_bytes),
             llama,
             max_batch_tokens: options.max_batch_tokens.max(1),
@@ -211,11 +216,17 @@ impl Engine {
         Ok(Self {
             jobs,
             info: Arc::new(info),
+            waiting,
         })
     }
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// Jobs waiting for the engine thread now.
+    pub fn queue_depth(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
     }
 
     fn submit(&self, request: ScoreRequest) -> Result<oneshot::Receiver<Result<Scores>>> {
@@ -225,10 +236,16 @@ impl Engine {
             reply,
             queued_at: Instant::now(),
         };
+        self.waiting.fetch_add(1, Ordering::Relaxed);
         match self.jobs.try_send(job) {
             Ok(()) => Ok(receiver),
-            Err(TrySendError::Full(_)) => Err(ModelError::Overloaded),
-            Err(TrySendError::Disconnected(_)) => Err(ModelError::EngineStopped),
+            Err(error) => {
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                Err(match error {
+                    TrySendError::Full(_) => ModelError::Overloaded,
+                    TrySendError::Disconnected(_) => ModelError::EngineStopped,
+                })
+            }
         }
     }
 
@@ -255,6 +272,7 @@ impl Engine {
 }
 
 struct Worker {
+    waiting: Arc<AtomicUsize>,
     llama: Llama,
     cache: CacheStore,
     max_batch_tokens: usize,
@@ -278,7 +296,7 @@ impl Worker {
             let first = match self.deferred.pop_front() {
                 Some(job) => job,
                 None => match queue.recv() {
-                    Ok(job) => job,
+                    Ok(job) => self.took(job),
                     Err(_) => return, // every handle dropped
                 },
             };
@@ -289,7 +307,7 @@ impl Worker {
                 let next = match self.deferred.pop_front() {
                     Some(job) => job,
                     None => match queue.try_recv() {
-                        Ok(job) => job,
+                        Ok(job) => self.took(job),
                         Err(_) => break,
                     },
                 };
@@ -299,6 +317,13 @@ impl Worker {
                 self.run_batch(batch);
             }
         }
+    }
+
+    fn took(&self, job: Job) -> Job {
+        if matches!(job, Job::Score { .. }) {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        job
     }
 
     /// Adds a job to the batch being formed, or answers it at once if it is invalid.

@@ -102,9 +102,11 @@ fn channel(url: &str, connect_timeout: Duration) -> Result<Channel, String> {
         .connect_lazy())
 }
 
+/// An outgoing request with a deadline and the current span's trace context.
 fn with_deadline<T>(message: T, deadline: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(deadline);
+    specd_common::telemetry::inject(&mut request);
     request
 }
 

@@ -189,6 +189,7 @@ impl Breaker {
         let from = inner.state;
         inner.state = to;
         inner.transitions += 1;
+        crate::observe::breaker(&self.name, to);
         if to == BreakerState::Open {
             tracing::warn!(breaker = %self.name, %from, %to, failures = inner.consecutive_failures, "circuit breaker opened");
         } else {

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::Semaphore;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 use prost::Message;
 use specd_common::convert::{distribution_from_proto, sampling_to_proto};
@@ -18,6 +20,7 @@ use crate::acceptance::{accept_greedy, accept_sampled};
 use crate::adaptive::{CostModel, bucket};
 use crate::backend::{DrafterBackend, VerifierBackend};
 use crate::error::OrchestratorError;
+use crate::observe;
 use crate::pool::VerifierPool;
 use crate::request::{Drafter, GenerationParams, Input, Limits, validate};
 use crate::session::{Session, SessionStore};
@@ -103,6 +106,7 @@ impl Generator {
         } else {
             self.sessions.touch(&session_id);
         }
+        observe::sessions(self.sessions.len());
         result
     }
 
@@ -211,8 +215,21 @@ impl Generator {
         let mut k_sum = 0usize;
         // Time and tokens of the first step (prompt processing), excluded from decode speed.
         let mut first_step: Option<(f64, usize)> = None;
+        let mut step = 0u32;
         'steps: while generated.len() < max_tokens {
+            step += 1;
             let remaining = max_tokens - generated.len();
+            let step_span = tracing::info_span!(
+                "step",
+                session = %session.id,
+                step,
+                k = Empty,
+                accepted = Empty,
+                bonus = Empty,
+            );
+            let draft_span =
+                tracing::info_span!(parent: &step_span, "draft", drafter = ?params.drafter, proposed = Empty);
+            let draft_started = Instant::now();
             let (draft, q, bucket) = self
                 .draft(
                     session,
@@ -222,7 +239,11 @@ impl Generator {
                     &mut sampler,
                     &mut totals,
                 )
+                .instrument(draft_span.clone())
                 .await;
+            draft_span.record("proposed", draft.len());
+            step_span.record("k", draft.len());
+            observe::hop("draft", draft_started);
             k_sum += draft.len();
             let request = pb::VerifyRequest {
                 session_id: session.id.clone(),
@@ -235,16 +256,35 @@ impl Generator {
                     pb::DistributionMode::Warped
                 } as i32,
             };
-            totals.bytes_sent += request.encoded_len() as u64;
+            let bytes_sent = request.encoded_len() as u64;
+            totals.bytes_sent += bytes_sent;
+            let verify_span = tracing::info_span!(
+                parent: &step_span,
+                "verify",
+                bytes_sent,
+                bytes_received = Empty,
+                replica = Empty,
+                attempts = Empty,
+                failovers = Empty,
+                computed = Empty,
+            );
             let verify_started = Instant::now();
             let verified = self
                 .verifier
                 .verify(request)
+                .instrument(verify_span.clone())
                 .await
                 .map_err(|s| OrchestratorError::downstream("verifier", s))?;
+            observe::hop("verify", verify_started);
             totals.retries += verified.attempts - 1;
             totals.failovers += verified.failovers;
             let response = verified.response;
+            let bytes_received = response.encoded_len() as u64;
+            verify_span.record("bytes_received", bytes_received);
+            verify_span.record("replica", verified.replica.as_str());
+            verify_span.record("attempts", verified.attempts);
+            verify_span.record("failovers", verified.failovers);
+            verify_span.record("computed", response.computed_tokens);
             let verify_seconds = verify_started.elapsed().as_secs_f64();
             // Cost per scored token: a pass that also (re)computed context (prompt processing,
             // a cache miss) would distort the curve, so only cache-warm passes count.
@@ -253,7 +293,7 @@ impl Generator {
             }
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
-            totals.bytes_received += response.encoded_len() as u64;
+            totals.bytes_received += bytes_received;
             if response.positions.len() != draft.len() + 1 {
                 return Err(OrchestratorError::Internal(format!(
                     "verifier returned {} positions for {} drafts",
@@ -267,12 +307,21 @@ impl Generator {
                 .map(|d| distribution_from_proto(d, vocab))
                 .collect::<Result<_, _>>()
                 .map_err(|e| OrchestratorError::Internal(format!("verifier sent a bad distribution: {e}")))?;
-            let outcome = if greedy {
-                let target: Vec<u32> = p.iter().map(|d| d.ids[0]).collect();
-                accept_greedy(&draft, &target)
-            } else {
-                accept_sampled(&draft, &q, &p, &mut || sampler.uniform())
-            };
+            let accept_started = Instant::now();
+            let outcome = tracing::info_span!(parent: &step_span, "accept", k = draft.len()).in_scope(|| {
+                if greedy {
+                    let target: Vec<u32> = p.iter().map(|d| d.ids[0]).collect();
+                    accept_greedy(&draft, &target)
+                } else {
+                    accept_sampled(&draft, &q, &p, &mut || sampler.uniform())
+                }
+            });
+            observe::hop("accept", accept_started);
+            // The bonus token: every draft accepted, one more from the target for free.
+            let bonus = outcome.accepted == draft.len() && !draft.is_empty();
+            step_span.record("accepted", outcome.accepted);
+            step_span.record("bonus", bonus);
+            observe::step(draft.len(), outcome.accepted);
             session.policy.record(draft.len(), outcome.accepted, bucket);
             tracing::debug!(
                 k = draft.len(),
@@ -332,6 +381,7 @@ impl Generator {
             }
         }
         let decode_seconds = started.elapsed().as_secs_f64();
+        observe::request(generated.len(), totals.proposed, totals.accepted);
         let (ttft, first_tokens) = first_step.unwrap_or((decode_seconds, generated.len()));
         let later_tokens = generated.len().saturating_sub(first_tokens);
         let stats = pb::SpeculationStats {

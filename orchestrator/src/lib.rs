@@ -13,6 +13,7 @@ pub mod backend;
 pub mod breaker;
 pub mod error;
 pub mod generate;
+pub mod observe;
 pub mod pool;
 pub mod request;
 pub mod service;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use specd_proto::v1 as pb;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::generate::Generator;
 use crate::pool::breaker_to_proto;
@@ -54,15 +55,19 @@ impl specd_proto::Orchestrator for OrchestratorService {
                 }
             }
         });
-        tokio::spawn(async move {
-            let result = generator.generate(&request, Some(&chunk_tx)).await;
-            drop(chunk_tx);
-            let _ = forward.await;
-            let last = result.map(|done| pb::GenerateStreamResponse {
-                event: Some(pb::generate_stream_response::Event::Done(done)),
-            });
-            let _ = tx.send(last.map_err(Status::from)).await;
-        });
+        let span = tracing::info_span!("generate_stream", session = %request.session_id);
+        tokio::spawn(
+            async move {
+                let result = generator.generate(&request, Some(&chunk_tx)).await;
+                drop(chunk_tx);
+                let _ = forward.await;
+                let last = result.map(|done| pb::GenerateStreamResponse {
+                    event: Some(pb::generate_stream_response::Event::Done(done)),
+                });
+                let _ = tx.send(last.map_err(Status::from)).await;
+            }
+            .instrument(span),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -1,6 +1,8 @@
 //! Helpers for specd's end-to-end tests: start the real service binaries on loopback ports,
 //! wait until their gRPC health says SERVING, and stop them (also on panic).
 
+pub mod otlp;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -59,10 +61,22 @@ impl Service {
 
     /// Starts the binary at `path` listening on loopback `port` (e.g. a restart).
     pub fn start_on(name: &'static str, path: &str, port: u16, args: &[&str]) -> Self {
+        Self::start_with_env(name, path, port, args, &[])
+    }
+
+    /// As [`Service::start_on`], with extra environment variables.
+    pub fn start_with_env(
+        name: &'static str,
+        path: &str,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let child = Command::new(path)
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .args(args)
+            .envs(env.iter().copied())
             .env("SPECD_THREADS", "1")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -151,6 +165,8 @@ pub struct StackOptions<'a> {
     pub verifier_args: &'a [&'a str],
     pub drafter_args: &'a [&'a str],
     pub orchestrator_args: &'a [&'a str],
+    /// Environment for every service.
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 impl Default for StackOptions<'_> {
@@ -161,6 +177,7 @@ impl Default for StackOptions<'_> {
             verifier_args: &[],
             drafter_args: &[],
             orchestrator_args: &[],
+            env: &[],
         }
     }
 }
@@ -184,14 +201,28 @@ impl Stack {
         let mut verifier_args = vec!["--model", model];
         verifier_args.extend_from_slice(options.verifier_args);
         let mut verifiers: Vec<Service> = (0..options.verifiers)
-            .map(|_| Service::start("verifier-svc", bins.verifier, &verifier_args))
+            .map(|_| {
+                Service::start_with_env(
+                    "verifier-svc",
+                    bins.verifier,
+                    free_port(),
+                    &verifier_args,
+                    options.env,
+                )
+            })
             .collect();
         let mut drafter_args = vec!["--model", model];
         if options.lm_drafter {
             drafter_args.push("--lm");
         }
         drafter_args.extend_from_slice(options.drafter_args);
-        let mut drafter = Service::start("drafter-svc", bins.drafter, &drafter_args);
+        let mut drafter = Service::start_with_env(
+            "drafter-svc",
+            bins.drafter,
+            free_port(),
+            &drafter_args,
+            options.env,
+        );
         for verifier in &mut verifiers {
             verifier.wait_serving(Duration::from_secs(120)).await;
         }
@@ -210,7 +241,8 @@ impl Stack {
             &drafter.url,
         ];
         args.extend_from_slice(options.orchestrator_args);
-        let mut orchestrator = Service::start("orchestrator", bins.orchestrator, &args);
+        let mut orchestrator =
+            Service::start_with_env("orchestrator", bins.orchestrator, free_port(), &args, options.env);
         orchestrator.wait_serving(Duration::from_secs(120)).await;
         Self {
             drafter,

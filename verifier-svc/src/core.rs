@@ -7,6 +7,7 @@
 use specd_common::convert::{distribution_to_proto, identity_of, sampling_from_proto};
 use specd_model::{Engine, ModelInfo, ScoreRequest, SparseDist, argmax, warp};
 use specd_proto::v1 as pb;
+use tracing::Instrument;
 
 use crate::error::VerifierError;
 
@@ -33,6 +34,11 @@ impl VerifierCore {
 
     pub fn release(&self, session_id: &str) {
         self.engine.release(session_id);
+    }
+
+    /// Scoring jobs waiting for the model.
+    pub fn queue_depth(&self) -> usize {
+        self.engine.queue_depth()
     }
 
     /// Scores `context + draft` and returns `draft.len() + 1` distributions.
@@ -69,6 +75,8 @@ impl VerifierCore {
         let logits_from = request.context.len() - 1;
         let mut context = request.context;
         context.extend_from_slice(&request.draft);
+        // Queue wait and the batched forward pass, as one span.
+        let engine_span = tracing::info_span!("engine.score", tokens = context.len());
         let scores = self
             .engine
             .score(ScoreRequest {
@@ -76,6 +84,7 @@ impl VerifierCore {
                 context,
                 logits_from,
             })
+            .instrument(engine_span)
             .await?;
         let vocab = scores.vocab;
         let positions = (0..scores.rows())

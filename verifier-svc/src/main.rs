@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use specd_common::model_args::ModelArgs;
 use specd_common::serve::{GrpcServer, ServeArgs};
+use specd_common::telemetry::TelemetryArgs;
 use specd_model::ScoreRequest;
 use specd_proto::VerifierServer;
 use specd_verifier::{VerifierCore, VerifierService};
@@ -25,9 +26,8 @@ struct Config {
     /// Name this replica reports in responses (default: the listen address).
     #[arg(long, env = "SPECD_REPLICA_NAME")]
     replica_name: Option<String>,
-    /// Log one JSON object per line instead of text.
-    #[arg(long, env = "SPECD_LOG_JSON")]
-    log_json: bool,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
     #[command(flatten)]
     serve: ServeArgs,
     #[command(flatten)]
@@ -37,11 +37,15 @@ struct Config {
 fn main() -> anyhow::Result<()> {
     let config = Config::parse();
     config.model.apply_threads();
-    specd_common::telemetry::init_telemetry("verifier-svc", config.log_json);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(config))
+        .block_on(async {
+            // Kept until the service stops; dropping it flushes the last spans.
+            let _telemetry = specd_common::telemetry::init("verifier-svc", &config.telemetry)
+                .map_err(anyhow::Error::msg)?;
+            run(config).await
+        })
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {

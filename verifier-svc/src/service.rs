@@ -4,8 +4,10 @@
 
 use std::sync::{Arc, OnceLock};
 
+use prost::Message;
 use specd_proto::v1 as pb;
 use tonic::{Request, Response, Status};
+use tracing::field::Empty;
 
 use crate::core::VerifierCore;
 
@@ -36,12 +38,33 @@ impl VerifierService {
 
 #[tonic::async_trait]
 impl specd_proto::Verifier for VerifierService {
-    #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id, k = request.get_ref().draft.len()))]
+    #[tracing::instrument(skip_all, fields(
+        session = %request.get_ref().session_id,
+        k = request.get_ref().draft.len(),
+        context = request.get_ref().context.len(),
+        bytes_received = request.get_ref().encoded_len(),
+        bytes_sent = Empty,
+        reused = Empty,
+        computed = Empty,
+        batch_size = Empty,
+        queue_ms = Empty,
+        forward_ms = Empty,
+    ))]
     async fn verify(
         &self,
         request: Request<pb::VerifyRequest>,
     ) -> Result<Response<pb::VerifyResponse>, Status> {
-        Ok(Response::new(self.core()?.verify(request.into_inner()).await?))
+        let core = self.core()?;
+        let response = core.verify(request.into_inner()).await?;
+        let span = tracing::Span::current();
+        span.record("bytes_sent", response.encoded_len());
+        span.record("reused", response.reused_tokens);
+        span.record("computed", response.computed_tokens);
+        span.record("batch_size", response.batch_size);
+        span.record("queue_ms", response.queue_seconds * 1e3);
+        span.record("forward_ms", response.forward_seconds * 1e3);
+        observe(&response, core.queue_depth());
+        Ok(Response::new(response))
     }
 
     async fn info(&self, _request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
@@ -58,5 +81,21 @@ impl specd_proto::Verifier for VerifierService {
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         self.core()?.release(&request.get_ref().session_id);
         Ok(Response::new(pb::ReleaseResponse {}))
+    }
+}
+
+/// The verifier's Prometheus metrics for one answered call: batch size, queue wait, forward
+/// pass, queue depth, and tokens served from the cache versus computed (prefix reuse).
+fn observe(response: &pb::VerifyResponse, queue_depth: usize) {
+    metrics::histogram!("specd_verifier_batch_size").record(f64::from(response.batch_size));
+    metrics::histogram!("specd_verifier_queue_seconds").record(response.queue_seconds);
+    metrics::histogram!("specd_verifier_forward_seconds").record(response.forward_seconds);
+    metrics::gauge!("specd_verifier_queue_depth").set(queue_depth as f64);
+    metrics::counter!("specd_verifier_reused_tokens_total").increment(u64::from(response.reused_tokens));
+    metrics::counter!("specd_verifier_computed_tokens_total").increment(u64::from(response.computed_tokens));
+    let context = response.reused_tokens + response.computed_tokens;
+    if context > 0 {
+        metrics::histogram!("specd_verifier_prefix_reuse_ratio")
+            .record(f64::from(response.reused_tokens) / f64::from(context));
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use specd_common::serve::{GrpcServer, ServeArgs};
+use specd_common::telemetry::TelemetryArgs;
 use specd_orchestrator::breaker::BreakerConfig;
 use specd_orchestrator::pool::PoolConfig;
 use specd_orchestrator::pool::discovery::parse_targets;
@@ -94,15 +95,15 @@ struct Config {
     /// K ceiling when a request does not set one.
     #[arg(long, env = "SPECD_DEFAULT_K", default_value_t = 8)]
     default_k: usize,
-    /// Log one JSON object per line instead of text.
-    #[arg(long, env = "SPECD_LOG_JSON")]
-    log_json: bool,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = Config::parse();
-    specd_common::telemetry::init_telemetry("orchestrator", config.log_json);
+    let _telemetry =
+        specd_common::telemetry::init("orchestrator", &config.telemetry).map_err(anyhow::Error::msg)?;
     let grpc = GrpcServer::bind("specd.v1.Orchestrator", config.listen)
         .await
         .map_err(anyhow::Error::msg)?;

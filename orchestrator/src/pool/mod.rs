@@ -27,6 +27,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
+use tracing::Instrument;
 
 use crate::backend::{GrpcVerifier, Verified, VerifierBackend, check_identity};
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, CircuitBreakerLayer, is_health_failure};
@@ -397,14 +398,26 @@ impl VerifierBackend for VerifierPool {
             if previous.as_ref().is_some_and(|p| *p != replica.endpoint) {
                 failovers += 1;
                 self.failovers.fetch_add(1, Ordering::Relaxed);
+                crate::observe::failover();
                 tracing::info!(%session, from = previous.as_deref(), to = %replica.endpoint, "verifier failover");
             }
             attempts += 1;
             replica.requests.fetch_add(1, Ordering::Relaxed);
             replica.in_flight.fetch_add(1, Ordering::Relaxed);
+            let attempt = tracing::info_span!(
+                "verify.attempt",
+                otel.kind = "client",
+                replica = %replica.endpoint,
+                attempt = attempts
+            );
             let result = {
                 let _in_flight = InFlight(&replica.in_flight);
-                replica.verify.clone().oneshot(request.clone()).await
+                replica
+                    .verify
+                    .clone()
+                    .oneshot(request.clone())
+                    .instrument(attempt)
+                    .await
             };
             let status = match result {
                 Ok(response) => {
@@ -437,6 +450,7 @@ impl VerifierBackend for VerifierPool {
                 ));
             }
             self.retries.fetch_add(1, Ordering::Relaxed);
+            crate::observe::retry();
             tracing::info!(%session, replica = %replica.endpoint, code = ?status.code(), message = status.message(), wait_ms = wait.as_millis() as u64, "verifier call failed; retrying");
             failed_on.push(replica.endpoint.clone());
             previous = Some(replica.endpoint.clone());

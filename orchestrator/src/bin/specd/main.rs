@@ -45,7 +45,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => {
             args.model.apply_threads();
-            specd_common::telemetry::init_telemetry("specd", false);
+            specd_common::telemetry::init_logging();
             runtime()?.block_on(generate::run(args))
         }
         Command::Bench(BenchCommand::Engine(args)) => {
@@ -54,7 +54,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Spec(args)) => {
             args.model.apply_threads();
-            specd_common::telemetry::init_telemetry("specd", false);
+            specd_common::telemetry::init_logging();
             runtime()?.block_on(bench_spec::run(args))
         }
         Command::FetchModel => {
