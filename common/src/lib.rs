@@ -1,9 +1,11 @@
 //! Plumbing every specd service shares, so no binary copies it: logging set-up
 //! ([`telemetry`]), gRPC health and reflection plus shutdown signals ([`serve`]), and the
 //! conversions between the model crate's types and the wire types ([`convert`]), and the
-//! model flags every model-serving binary takes ([`model_args`]).
+//! model flags every model-serving binary takes ([`model_args`]), and a small OTLP trace
+//! receiver ([`otlp_sink`]).
 
 pub mod convert;
 pub mod model_args;
+pub mod otlp_sink;
 pub mod serve;
 pub mod telemetry;

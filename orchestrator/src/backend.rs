@@ -94,10 +94,16 @@ impl DrafterBackend for DrafterCore {
     }
 }
 
-fn channel(url: &str, connect_timeout: Duration) -> Result<Channel, String> {
+/// A lazily connected channel. HTTP/2 keep-alive pings find a peer that vanished without
+/// closing its connections (a killed container, a partition) within seconds, so calls on it
+/// fail over instead of waiting out their deadline.
+fn channel(url: &str, deadline: Duration) -> Result<Channel, String> {
     Ok(Endpoint::from_shared(url.to_string())
         .map_err(|e| format!("bad endpoint {url:?}: {e}"))?
-        .connect_timeout(connect_timeout)
+        .connect_timeout(deadline.min(Duration::from_secs(2)))
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true)
         .tcp_nodelay(true)
         .connect_lazy())
 }

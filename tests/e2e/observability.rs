@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use specd_e2e::otlp::{OtlpReceiver, ReceivedSpan, render_tree, scrape};
+use specd_e2e::otlp::{ReceivedSpan, receiver, render_tree, scrape, wait_for};
 use specd_e2e::{Stack, StackOptions, binaries, free_port};
 use specd_proto::v1 as pb;
 
@@ -41,7 +41,7 @@ fn sample(samples: &[(String, f64)], name: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn one_trace_spans_all_three_services_and_metrics_match_the_responses() {
-    let receiver = OtlpReceiver::start().await;
+    let receiver = receiver().await;
     let metrics_ports = [free_port(), free_port(), free_port()];
     let listen = metrics_ports.map(|p| format!("127.0.0.1:{p}"));
     let env = [
@@ -78,15 +78,14 @@ async fn one_trace_spans_all_three_services_and_metrics_match_the_responses() {
     }
 
     // Traces: wait until the first request's whole trace has arrived.
-    let spans = receiver
-        .wait_for(Duration::from_secs(30), |spans| {
-            let services: HashSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
-            ["orchestrator", "verifier-svc", "drafter-svc"]
-                .iter()
-                .all(|s| services.contains(s))
-                && spans.iter().filter(|s| s.name == "generate").count() >= 2
-        })
-        .await;
+    let spans = wait_for(&receiver, Duration::from_secs(30), |spans| {
+        let services: HashSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+        ["orchestrator", "verifier-svc", "drafter-svc"]
+            .iter()
+            .all(|s| services.contains(s))
+            && spans.iter().filter(|s| s.name == "generate").count() >= 2
+    })
+    .await;
     let generates = find(&spans, "orchestrator", "generate");
     let first = generates.iter().min_by_key(|s| s.start_ns).unwrap();
     let trace: Vec<ReceivedSpan> = spans

@@ -19,6 +19,7 @@ pub struct Binaries {
     pub verifier: &'static str,
     pub drafter: &'static str,
     pub orchestrator: &'static str,
+    pub specd: &'static str,
 }
 
 #[macro_export]
@@ -28,6 +29,7 @@ macro_rules! binaries {
             verifier: env!("CARGO_BIN_EXE_e2e-verifier-svc"),
             drafter: env!("CARGO_BIN_EXE_e2e-drafter-svc"),
             orchestrator: env!("CARGO_BIN_EXE_e2e-orchestrator"),
+            specd: env!("CARGO_BIN_EXE_e2e-specd"),
         }
     };
 }

@@ -1,158 +1,31 @@
-//! A real OTLP/gRPC trace receiver in the test process (opentelemetry-proto's generated
-//! `TraceService` server): services export their spans to it exactly as they would to
-//! Jaeger or a collector, and tests read them back.
+//! Reading telemetry back in tests: the OTLP receiver (from `specd_common::otlp_sink`),
+//! a trace printed as a tree, and a Prometheus scrape.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
-use tonic::{Request, Response, Status};
+pub use specd_common::otlp_sink::{OtlpReceiver, ReceivedSpan};
 
-/// One received span with the name of the service that sent it.
-#[derive(Debug, Clone)]
-pub struct ReceivedSpan {
-    pub service: String,
-    pub name: String,
-    pub trace_id: String,
-    pub span_id: String,
-    pub parent_span_id: String,
-    pub start_ns: u64,
-    pub end_ns: u64,
-    pub attributes: HashMap<String, String>,
+/// Starts a receiver on a fresh loopback port.
+pub async fn receiver() -> OtlpReceiver {
+    OtlpReceiver::start("127.0.0.1:0".parse().unwrap(), false)
+        .await
+        .expect("start the OTLP receiver")
 }
 
-impl ReceivedSpan {
-    pub fn duration(&self) -> Duration {
-        Duration::from_nanos(self.end_ns.saturating_sub(self.start_ns))
-    }
-
-    pub fn attribute(&self, key: &str) -> Option<&str> {
-        self.attributes.get(key).map(String::as_str)
-    }
-}
-
-#[derive(Clone, Default)]
-struct Collector {
-    spans: Arc<Mutex<Vec<ReceivedSpan>>>,
-}
-
-fn text(value: Option<&Value>) -> String {
-    match value {
-        Some(Value::StringValue(s)) => s.clone(),
-        Some(Value::IntValue(i)) => i.to_string(),
-        Some(Value::DoubleValue(d)) => d.to_string(),
-        Some(Value::BoolValue(b)) => b.to_string(),
-        Some(other) => format!("{other:?}"),
-        None => String::new(),
-    }
-}
-
-#[tonic::async_trait]
-impl TraceService for Collector {
-    async fn export(
-        &self,
-        request: Request<ExportTraceServiceRequest>,
-    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
-        let mut spans = self.spans.lock().unwrap();
-        for resource_spans in request.into_inner().resource_spans {
-            let service = resource_spans
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .map(|kv| text(kv.value.as_ref().and_then(|v| v.value.as_ref())))
-                .unwrap_or_default();
-            for scope in resource_spans.scope_spans {
-                for span in scope.spans {
-                    spans.push(ReceivedSpan {
-                        service: service.clone(),
-                        name: span.name,
-                        trace_id: hex(&span.trace_id),
-                        span_id: hex(&span.span_id),
-                        parent_span_id: hex(&span.parent_span_id),
-                        start_ns: span.start_time_unix_nano,
-                        end_ns: span.end_time_unix_nano,
-                        attributes: span
-                            .attributes
-                            .iter()
-                            .map(|kv| {
-                                (
-                                    kv.key.clone(),
-                                    text(kv.value.as_ref().and_then(|v| v.value.as_ref())),
-                                )
-                            })
-                            .collect(),
-                    });
-                }
-            }
-        }
-        Ok(Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A running receiver.
-pub struct OtlpReceiver {
-    pub endpoint: String,
-    collector: Collector,
-}
-
-impl OtlpReceiver {
-    /// Serves on a fresh loopback port in the current runtime.
-    pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address: SocketAddr = listener.local_addr().unwrap();
-        let collector = Collector::default();
-        let service = TraceServiceServer::new(collector.clone());
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-        );
-        Self {
-            endpoint: format!("http://{address}"),
-            collector,
-        }
-    }
-
-    pub fn spans(&self) -> Vec<ReceivedSpan> {
-        self.collector.spans.lock().unwrap().clone()
-    }
-
-    /// Waits until `done` holds for the spans received so far.
-    pub async fn wait_for(
-        &self,
-        timeout: Duration,
-        done: impl Fn(&[ReceivedSpan]) -> bool,
-    ) -> Vec<ReceivedSpan> {
-        let started = Instant::now();
-        loop {
-            let spans = self.spans();
-            if done(&spans) {
-                return spans;
-            }
-            assert!(
-                started.elapsed() < timeout,
-                "spans never arrived; got {} spans: {:?}",
-                spans.len(),
-                spans.iter().map(|s| (&s.service, &s.name)).collect::<Vec<_>>()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+/// Waits for spans; panics with what arrived on timeout.
+pub async fn wait_for(
+    receiver: &OtlpReceiver,
+    timeout: Duration,
+    done: impl Fn(&[ReceivedSpan]) -> bool,
+) -> Vec<ReceivedSpan> {
+    receiver.wait_for(timeout, done).await.unwrap_or_else(|spans| {
+        panic!(
+            "spans never arrived; got {}: {:?}",
+            spans.len(),
+            spans.iter().map(|s| (&s.service, &s.name)).collect::<Vec<_>>()
+        )
+    })
 }
 
 /// The trace as an indented tree: name, service, duration and the chosen attributes.

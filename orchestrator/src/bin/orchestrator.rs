@@ -71,7 +71,8 @@ struct Config {
     #[arg(long, env = "SPECD_DRAFTER")]
     drafter: Option<String>,
     /// GGUF whose tokenizer and chat template the orchestrator uses (weights are not
-    /// loaded); default: the default model, fetched once.
+    /// loaded); default: the default model, fetched once into $SPECD_MODEL_DIR (or
+    /// ~/.cache/specd/models).
     #[arg(long, env = "SPECD_MODEL")]
     model: Option<std::path::PathBuf>,
     /// Deadline of every drafter and verifier call, in milliseconds.

@@ -139,7 +139,11 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
             let mut plain_ids = Vec::new();
             for (mode, result) in modes.iter().zip(results.iter_mut()) {
                 run += 1;
-                eprintln!("bench spec [{run}/{runs}]: {} prompt {} {mode}", workload.name, i + 1);
+                eprintln!(
+                    "bench spec [{run}/{runs}]: {} prompt {} {mode}",
+                    workload.name,
+                    i + 1
+                );
                 let r = run_one(&generator, prompt, &args, mode).await?;
                 let s = r.stats.unwrap_or_default();
                 if mode == "plain" {
@@ -187,7 +191,10 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let panels = [
         Panel {
             title: "decode tok/s",
-            values: all.iter().map(|(_, rs)| rs.iter().map(ModeResult::tok_s).collect()).collect(),
+            values: all
+                .iter()
+                .map(|(_, rs)| rs.iter().map(ModeResult::tok_s).collect())
+                .collect(),
         },
         Panel {
             title: "acceptance rate",

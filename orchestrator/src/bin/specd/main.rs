@@ -1,11 +1,13 @@
 //! `specd`: the command line. `specd generate` runs speculative generation — all-in-one in
 //! this process by default (the same drafter, verifier and orchestrator code the services
 //! run), or against a running orchestrator with `--orchestrator URL`. `specd bench` measures
-//! the engine and speculation; `specd fetch-model` fetches the default model.
+//! the engine and speculation; `specd fetch-model` fetches the default model; `specd health`,
+//! `specd replicas` and `specd trace-sink` help operate a deployment.
 
 mod bench_engine;
 mod bench_spec;
 mod generate;
+mod ops;
 mod plot;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +32,12 @@ enum Command {
     Bench(BenchCommand),
     /// Fetch the default model into the model cache and print its path.
     FetchModel,
+    /// Ask a service's gRPC health; exit 0 when SERVING (for container health checks).
+    Health(ops::HealthArgs),
+    /// Show the orchestrator's verifier pool: health, breakers, load, sessions.
+    Replicas(ops::ReplicasArgs),
+    /// Receive OTLP/gRPC spans and print them (a stand-in for Jaeger).
+    TraceSink(ops::TraceSinkArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -58,6 +66,9 @@ fn main() -> anyhow::Result<()> {
             specd_common::telemetry::init_logging();
             runtime()?.block_on(bench_spec::run(args))
         }
+        Command::Health(args) => runtime()?.block_on(ops::health(args)),
+        Command::Replicas(args) => runtime()?.block_on(ops::replicas(args)),
+        Command::TraceSink(args) => runtime()?.block_on(ops::trace_sink(args)),
         Command::FetchModel => {
             println!("{}", specd_model::fetch::ensure_default_model()?.display());
             Ok(())

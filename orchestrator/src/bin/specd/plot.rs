@@ -21,7 +21,12 @@ const COLOURS: [RGBColor; 6] = [
 ];
 
 /// Writes grouped bar charts: `groups` (workloads) × `series` (modes) per panel.
-pub fn grouped_bars(path: &Path, groups: &[String], series: &[String], panels: &[Panel]) -> anyhow::Result<()> {
+pub fn grouped_bars(
+    path: &Path,
+    groups: &[String],
+    series: &[String],
+    panels: &[Panel],
+) -> anyhow::Result<()> {
     let height = 360 * panels.len() as u32;
     let root = SVGBackend::new(path, (960, height)).into_drawing_area();
     root.fill(&WHITE)?;
