@@ -38,6 +38,8 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 export SPECD_IMAGE="specd-test:$project"
 export SPECD_FETCH_IMAGE="specd-fetch-test:$project"
 export SPECD_MODEL_HOST_DIR="$model_dir"
+# The development key of deploy/dev-api-keys; `specd generate` and `specd replicas` read it.
+export SPECD_API_KEY=specd-dev-key
 export SPECD_PORT; SPECD_PORT=$(free_port)
 export SPECD_METRICS_PORT; SPECD_METRICS_PORT=$(free_port)
 export JAEGER_UI_PORT; JAEGER_UI_PORT=$(free_port)
@@ -113,6 +115,11 @@ wait_serving() {
 }
 wait_serving 2
 say "up: orchestrator serving with $(serving) verifiers"
+if "$bins/specd" generate --orchestrator "$url" --api-key wrong-key --prompt hi --max-tokens 1 >/dev/null 2>&1; then
+    echo "the orchestrator accepted a wrong API key" >&2
+    exit 1
+fi
+say "a wrong API key is refused"
 
 prompt='def add(a, b):\n    return a + b\n\ndef sub(a, b):'
 generate() {

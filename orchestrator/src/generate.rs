@@ -81,10 +81,22 @@ impl Generator {
         }
     }
 
+    /// Generates for an anonymous caller (no authentication).
     pub async fn generate(
         &self,
         request: &pb::GenerateRequest,
         sink: ChunkSink<'_>,
+    ) -> Result<pb::GenerateResponse, OrchestratorError> {
+        self.generate_as(request, sink, None).await
+    }
+
+    /// Generates for the caller identified by API key id `owner`: new sessions belong to it,
+    /// and it may continue only its own.
+    pub async fn generate_as(
+        &self,
+        request: &pb::GenerateRequest,
+        sink: ChunkSink<'_>,
+        owner: Option<&str>,
     ) -> Result<pb::GenerateResponse, OrchestratorError> {
         let _admitted = self.admission.clone().try_acquire_owned().map_err(|_| {
             OrchestratorError::ResourceExhausted(format!(
@@ -94,8 +106,8 @@ impl Generator {
         })?;
         let params = validate(request, &self.limits, self.text.config.vocab_size)?;
         let mut session = match &params.session_id {
-            Some(id) => self.sessions.acquire(id)?,
-            None => self.sessions.create()?,
+            Some(id) => self.sessions.acquire(id, owner)?,
+            None => self.sessions.create(owner)?,
         };
         let session_id = session.id.clone();
         let result = self.generate_in(&mut session, &params, sink).await;

@@ -4,11 +4,13 @@
 //! per session from measured acceptance and costs ([`adaptive`]), spreads sessions over a
 //! pool of verifier replicas with retries, failover and circuit breakers ([`pool`],
 //! [`breaker`]), and serves the public
-//! `Generate` API ([`service`]). The `orchestrator` binary serves it; the `specd` binary is
+//! `Generate` API ([`service`]) to callers with an API key ([`auth`]). The `orchestrator`
+//! binary serves it; the `specd` binary is
 //! the CLI (all-in-one generation, a client, and benchmarks).
 
 pub mod acceptance;
 pub mod adaptive;
+pub mod auth;
 pub mod backend;
 pub mod breaker;
 pub mod error;

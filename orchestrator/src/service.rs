@@ -7,6 +7,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
+use crate::OrchestratorError;
+use crate::auth::Caller;
 use crate::generate::Generator;
 use crate::pool::breaker_to_proto;
 
@@ -21,6 +23,20 @@ impl OrchestratorService {
     }
 }
 
+/// The authenticated caller the API-key interceptor attached, if authentication is on.
+fn caller<T>(request: &Request<T>) -> Option<Arc<Caller>> {
+    request.extensions().get::<Arc<Caller>>().cloned()
+}
+
+/// Charges a finished request's tokens (prompt and completion) to its key.
+fn charge(caller: Option<&Caller>, result: &Result<pb::GenerateResponse, OrchestratorError>) {
+    if let (Some(caller), Ok(response)) = (caller, result)
+        && let Some(usage) = &response.usage
+    {
+        caller.charge(u64::from(usage.prompt_tokens) + u64::from(usage.completion_tokens));
+    }
+}
+
 #[tonic::async_trait]
 impl specd_proto::Orchestrator for OrchestratorService {
     #[tracing::instrument(skip_all, fields(session = %request.get_ref().session_id))]
@@ -28,8 +44,11 @@ impl specd_proto::Orchestrator for OrchestratorService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let response = self.generator.generate(request.get_ref(), None).await?;
-        Ok(Response::new(response))
+        let caller = caller(&request);
+        let owner = caller.as_ref().map(|c| c.key_id.as_str());
+        let response = self.generator.generate_as(request.get_ref(), None, owner).await;
+        charge(caller.as_deref(), &response);
+        Ok(Response::new(response?))
     }
 
     type GenerateStreamStream = ReceiverStream<Result<pb::GenerateStreamResponse, Status>>;
@@ -41,6 +60,7 @@ impl specd_proto::Orchestrator for OrchestratorService {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let (chunk_tx, mut chunk_rx) = tokio::sync::mpsc::channel::<pb::TokenChunk>(64);
         let generator = self.generator.clone();
+        let caller = caller(&request);
         let request = request.into_inner();
         let events = tx.clone();
         // Chunks become stream events; when the client goes, the forwarder stops and the
@@ -58,7 +78,9 @@ impl specd_proto::Orchestrator for OrchestratorService {
         let span = tracing::info_span!("generate_stream", session = %request.session_id);
         tokio::spawn(
             async move {
-                let result = generator.generate(&request, Some(&chunk_tx)).await;
+                let owner = caller.as_ref().map(|c| c.key_id.as_str());
+                let result = generator.generate_as(&request, Some(&chunk_tx), owner).await;
+                charge(caller.as_deref(), &result);
                 drop(chunk_tx);
                 let _ = forward.await;
                 let last = result.map(|done| pb::GenerateStreamResponse {

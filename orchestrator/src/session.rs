@@ -26,6 +26,8 @@ pub struct Session {
 struct Entry {
     session: Arc<tokio::sync::Mutex<Session>>,
     last_used: Instant,
+    /// The API key that created the session (None without authentication).
+    owner: Option<String>,
 }
 
 pub struct SessionStore {
@@ -46,8 +48,9 @@ impl SessionStore {
         }
     }
 
-    /// Opens a new session, or fails with ResourceExhausted when the store is full.
-    pub fn create(&self) -> Result<SessionGuard, OrchestratorError> {
+    /// Opens a new session owned by `owner`, or fails with ResourceExhausted when the store
+    /// is full.
+    pub fn create(&self, owner: Option<&str>) -> Result<SessionGuard, OrchestratorError> {
         let mut entries = self.entries.lock().expect("session lock");
         self.sweep(&mut entries);
         if entries.len() >= self.max_sessions {
@@ -67,17 +70,20 @@ impl SessionStore {
             Entry {
                 session,
                 last_used: Instant::now(),
+                owner: owner.map(str::to_string),
             },
         );
         Ok(guard)
     }
 
-    /// Takes an existing session for one request.
-    pub fn acquire(&self, id: &str) -> Result<SessionGuard, OrchestratorError> {
+    /// Takes an existing session for one request. Another owner's session is NotFound, as
+    /// if it did not exist.
+    pub fn acquire(&self, id: &str, owner: Option<&str>) -> Result<SessionGuard, OrchestratorError> {
         let mut entries = self.entries.lock().expect("session lock");
         self.sweep(&mut entries);
         let entry = entries
             .get_mut(id)
+            .filter(|e| e.owner.as_deref() == owner)
             .ok_or_else(|| OrchestratorError::SessionNotFound(id.to_string()))?;
         entry.last_used = Instant::now();
         entry
@@ -121,27 +127,40 @@ mod tests {
     #[test]
     fn sessions_are_created_found_and_exclusive() {
         let store = SessionStore::new(Duration::from_secs(60), 10);
-        let guard = store.create().unwrap();
+        let guard = store.create(None).unwrap();
         let id = guard.id.clone();
         assert!(matches!(
-            store.acquire(&id),
+            store.acquire(&id, None),
             Err(OrchestratorError::SessionBusy(_))
         ));
         drop(guard);
-        assert_eq!(store.acquire(&id).unwrap().id, id);
+        assert_eq!(store.acquire(&id, None).unwrap().id, id);
         assert!(matches!(
-            store.acquire("nope"),
+            store.acquire("nope", None),
             Err(OrchestratorError::SessionNotFound(_))
         ));
     }
 
     #[test]
+    fn sessions_belong_to_the_key_that_created_them() {
+        let store = SessionStore::new(Duration::from_secs(60), 10);
+        let id = store.create(Some("alice")).unwrap().id.clone();
+        for other in [Some("bob"), None] {
+            assert!(matches!(
+                store.acquire(&id, other),
+                Err(OrchestratorError::SessionNotFound(_))
+            ));
+        }
+        assert_eq!(store.acquire(&id, Some("alice")).unwrap().id, id);
+    }
+
+    #[test]
     fn the_store_is_bounded() {
         let store = SessionStore::new(Duration::from_secs(60), 2);
-        let _a = store.create().unwrap();
-        let _b = store.create().unwrap();
+        let _a = store.create(None).unwrap();
+        let _b = store.create(None).unwrap();
         assert!(matches!(
-            store.create(),
+            store.create(None),
             Err(OrchestratorError::ResourceExhausted(_))
         ));
     }
@@ -149,11 +168,11 @@ mod tests {
     #[test]
     fn idle_sessions_expire_but_busy_ones_stay() {
         let store = SessionStore::new(Duration::from_millis(20), 10);
-        let idle = store.create().unwrap().id.clone();
-        let busy = store.create().unwrap();
+        let idle = store.create(None).unwrap().id.clone();
+        let busy = store.create(None).unwrap();
         std::thread::sleep(Duration::from_millis(40));
         assert!(matches!(
-            store.acquire(&idle),
+            store.acquire(&idle, None),
             Err(OrchestratorError::SessionNotFound(_))
         ));
         assert_eq!(store.len(), 1);

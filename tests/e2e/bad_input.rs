@@ -105,6 +105,7 @@ async fn a_dead_drafter_costs_speculation_not_requests() {
             &nobody,
             "--call-deadline-ms",
             "2000",
+            "--no-auth",
         ],
     );
     orchestrator.wait_serving(Duration::from_secs(60)).await;

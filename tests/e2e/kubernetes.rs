@@ -187,6 +187,31 @@ fn manifests_match_the_binaries_flags_ports_and_services() {
             port_of(&flags_by_deployment["specd-drafter"]["--listen"])
         )
     );
+    // Authentication: the key file is mounted from the Secret.
+    let keys_path = &orchestrator["--api-keys-file"];
+    let pod = &deployments["specd-orchestrator"]["spec"]["template"]["spec"];
+    let mount = containers(deployments["specd-orchestrator"])[0]["volumeMounts"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|m| keys_path.starts_with(m["mountPath"].as_str().unwrap()))
+        .expect("the API key file is on a mounted volume");
+    let volume = pod["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let secret_name = volume["secret"]["secretName"].as_str().expect("a Secret volume");
+    let secret = kind(&docs, "Secret")
+        .into_iter()
+        .find(|s| name(s) == secret_name)
+        .expect("the Secret");
+    let file = keys_path.rsplit('/').next().unwrap();
+    assert!(
+        secret["stringData"][file].as_str().is_some(),
+        "the Secret holds {file}"
+    );
     // Verifiers ask for what they use.
     let resources = &containers(deployments["specd-verifier"])[0]["resources"];
     for key in ["cpu", "memory"] {

@@ -242,6 +242,10 @@ impl Stack {
             "--drafter",
             &drafter.url,
         ];
+        // Authentication is off only where a test says nothing about keys.
+        if !options.orchestrator_args.contains(&"--api-keys-file") {
+            args.push("--no-auth");
+        }
         args.extend_from_slice(options.orchestrator_args);
         let mut orchestrator =
             Service::start_with_env("orchestrator", bins.orchestrator, free_port(), &args, options.env);

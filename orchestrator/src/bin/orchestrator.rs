@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_common::telemetry::TelemetryArgs;
+use specd_orchestrator::auth::{ApiKeyAuth, KeyStore};
 use specd_orchestrator::breaker::BreakerConfig;
 use specd_orchestrator::pool::PoolConfig;
 use specd_orchestrator::pool::discovery::parse_targets;
@@ -19,6 +20,7 @@ use specd_orchestrator::request::Limits;
 use specd_orchestrator::service::OrchestratorService;
 use specd_orchestrator::setup::{GeneratorSettings, RemoteSettings, remote};
 use specd_proto::OrchestratorServer;
+use tonic::service::interceptor::InterceptedService;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -65,6 +67,13 @@ struct Config {
     /// Most requests served at once; more are refused with ResourceExhausted.
     #[arg(long, env = "SPECD_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
     max_concurrent_requests: usize,
+    /// File of API keys (id, SHA-256 of the key, optional limits per line; re-read when it
+    /// changes). Clients send `authorization: Bearer KEY`.
+    #[arg(long, env = "SPECD_API_KEYS_FILE")]
+    api_keys_file: Option<std::path::PathBuf>,
+    /// Serve without authentication (local use only); required when no key file is given.
+    #[arg(long, env = "SPECD_NO_AUTH", conflicts_with = "api_keys_file")]
+    no_auth: bool,
     #[command(flatten)]
     serve: ServeArgs,
     /// Drafter endpoint, e.g. http://127.0.0.1:50051; without one, decoding is plain.
@@ -103,6 +112,14 @@ struct Config {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let config = Config::parse();
+    let keys = match (&config.api_keys_file, config.no_auth) {
+        (Some(path), _) => Some(Arc::new(KeyStore::open(path).map_err(anyhow::Error::msg)?)),
+        (None, true) => None,
+        (None, false) => anyhow::bail!(
+            "no API keys configured: pass --api-keys-file FILE (see `specd hash-key`), or --no-auth to \
+             serve without authentication"
+        ),
+    };
     let _telemetry =
         specd_common::telemetry::init("orchestrator", &config.telemetry).map_err(anyhow::Error::msg)?;
     let grpc = GrpcServer::bind("specd.v1.Orchestrator", config.listen)
@@ -167,8 +184,15 @@ async fn main() -> anyhow::Result<()> {
     health.set(true).await;
     tracing::info!(listen = %local, verifier = ?urls, verifier_dns = ?config.verifier_dns, drafter = ?config.drafter, "orchestrator serving");
     let max_request_bytes = config.serve.max_request_bytes;
+    if keys.is_none() {
+        tracing::warn!("serving WITHOUT authentication (--no-auth)");
+    }
     grpc.serve(|router| {
-        router.add_service(OrchestratorServer::new(service).max_decoding_message_size(max_request_bytes))
+        let server = OrchestratorServer::new(service).max_decoding_message_size(max_request_bytes);
+        match keys {
+            Some(store) => router.add_service(InterceptedService::new(server, ApiKeyAuth { store })),
+            None => router.add_service(server),
+        }
     })
     .map_err(anyhow::Error::msg)?
     .await??;

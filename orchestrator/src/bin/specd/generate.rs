@@ -60,6 +60,9 @@ pub struct GenerateArgs {
     /// Use a running orchestrator (e.g. http://127.0.0.1:50050) instead of running all-in-one.
     #[arg(long, env = "SPECD_ORCHESTRATOR")]
     orchestrator: Option<String>,
+    /// API key for the orchestrator (sent as `authorization: Bearer KEY`).
+    #[arg(long, env = "SPECD_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -123,7 +126,7 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
     });
     let response = match &args.orchestrator {
-        Some(url) => remote_generate(url, request, chunks_tx).await?,
+        Some(url) => remote_generate(url, args.api_key.as_deref(), request, chunks_tx).await?,
         None => {
             let model = args.model.clone();
             let loaded = tokio::task::spawn_blocking(move || model.load())
@@ -147,13 +150,17 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
 
 async fn remote_generate(
     url: &str,
+    api_key: Option<&str>,
     request: pb::GenerateRequest,
     chunks: tokio::sync::mpsc::Sender<pb::TokenChunk>,
 ) -> anyhow::Result<pb::GenerateResponse> {
     let mut client = OrchestratorClient::connect(url.to_string())
         .await
         .with_context(|| format!("cannot reach the orchestrator at {url}"))?;
-    let mut stream = client.generate_stream(request).await?.into_inner();
+    let mut stream = client
+        .generate_stream(crate::ops::authorized(request, api_key)?)
+        .await?
+        .into_inner();
     while let Some(event) = stream.message().await? {
         match event.event {
             Some(pb::generate_stream_response::Event::Chunk(chunk)) => {

@@ -38,6 +38,8 @@ enum Command {
     Replicas(ops::ReplicasArgs),
     /// Receive OTLP/gRPC spans and print them (a stand-in for Jaeger).
     TraceSink(ops::TraceSinkArgs),
+    /// Print an API key's SHA-256, the form the orchestrator's key file stores.
+    HashKey(ops::HashKeyArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -69,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         Command::Health(args) => runtime()?.block_on(ops::health(args)),
         Command::Replicas(args) => runtime()?.block_on(ops::replicas(args)),
         Command::TraceSink(args) => runtime()?.block_on(ops::trace_sink(args)),
+        Command::HashKey(args) => ops::hash_key(args),
         Command::FetchModel => {
             println!("{}", specd_model::fetch::ensure_default_model()?.display());
             Ok(())

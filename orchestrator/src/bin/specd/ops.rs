@@ -62,6 +62,42 @@ pub struct ReplicasArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// API key for the orchestrator.
+    #[arg(long, env = "SPECD_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+/// A request carrying `authorization: Bearer KEY` when a key is given.
+pub fn authorized<T>(message: T, api_key: Option<&str>) -> anyhow::Result<tonic::Request<T>> {
+    let mut request = tonic::Request::new(message);
+    if let Some(key) = api_key {
+        let value = format!("Bearer {key}")
+            .parse()
+            .map_err(|_| anyhow::anyhow!("the API key is not valid header text"))?;
+        request.metadata_mut().insert("authorization", value);
+    }
+    Ok(request)
+}
+
+#[derive(Debug, clap::Args)]
+pub struct HashKeyArgs {
+    /// The key; read from stdin when absent (keeps it out of shell history).
+    key: Option<String>,
+}
+
+/// Prints the SHA-256 of an API key, as the orchestrator's key file stores it.
+pub fn hash_key(args: HashKeyArgs) -> anyhow::Result<()> {
+    let key = match args.key {
+        Some(key) => key,
+        None => {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line)?;
+            line.trim_end_matches(['\r', '\n']).to_string()
+        }
+    };
+    anyhow::ensure!(!key.is_empty(), "the key is empty");
+    println!("{}", specd_orchestrator::auth::hash_key(&key));
+    Ok(())
 }
 
 /// Prints the verifier pool: health, breaker, load and sessions per replica.
@@ -69,7 +105,10 @@ pub async fn replicas(args: ReplicasArgs) -> anyhow::Result<()> {
     let mut client = specd_proto::OrchestratorClient::connect(args.orchestrator.clone())
         .await
         .with_context(|| format!("cannot reach the orchestrator at {}", args.orchestrator))?;
-    let r = client.replicas(pb::ReplicasRequest {}).await?.into_inner();
+    let r = client
+        .replicas(authorized(pb::ReplicasRequest {}, args.api_key.as_deref())?)
+        .await?
+        .into_inner();
     let health = |h: i32| {
         pb::ReplicaHealth::try_from(h).map_or("?".to_string(), |h| {
             h.as_str_name()
