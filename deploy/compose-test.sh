@@ -40,6 +40,10 @@ export SPECD_FETCH_IMAGE="specd-fetch-test:$project"
 export SPECD_MODEL_HOST_DIR="$model_dir"
 # The development key of deploy/dev-api-keys; `specd generate` and `specd replicas` read it.
 export SPECD_API_KEY=specd-dev-key
+# The certs one-shot service writes the development CA here; clients trust it.
+certs=$(mktemp -d) && chmod 755 "$certs"
+export SPECD_CERTS_DIR="$certs"
+export SPECD_TLS_CA="$certs/ca.pem"
 export SPECD_PORT; SPECD_PORT=$(free_port)
 export SPECD_METRICS_PORT; SPECD_METRICS_PORT=$(free_port)
 export JAEGER_UI_PORT; JAEGER_UI_PORT=$(free_port)
@@ -58,7 +62,7 @@ cleanup() {
     say "tearing down"
     compose down -v --remove-orphans -t 2 >/dev/null 2>&1 || true
     docker rmi -f "$SPECD_IMAGE" "$SPECD_FETCH_IMAGE" "$base" >/dev/null 2>&1 || true
-    rm -rf "$rootfs" "$prebuilt"
+    rm -rf "$rootfs" "$prebuilt" "$certs"
     say "done (exit $status)"
 }
 trap cleanup EXIT
@@ -95,7 +99,7 @@ say "built $SPECD_IMAGE and $SPECD_FETCH_IMAGE from deploy/Dockerfile"
 
 # 3. Up, with two verifiers.
 compose up -d --no-build --scale verifier=2 2>&1 | sed 's/^/    /'
-url="http://127.0.0.1:$SPECD_PORT"
+url="https://127.0.0.1:$SPECD_PORT"
 for _ in $(seq 1 240); do
     if "$bins/specd" health "$url" --timeout-ms 1000 >/dev/null 2>&1; then break; fi
     sleep 0.5
@@ -120,6 +124,11 @@ if "$bins/specd" generate --orchestrator "$url" --api-key wrong-key --prompt hi 
     exit 1
 fi
 say "a wrong API key is refused"
+if env -u SPECD_TLS_CA "$bins/specd" health "http://127.0.0.1:$SPECD_PORT" >/dev/null 2>&1; then
+    echo "the orchestrator answered plain text on its TLS port" >&2
+    exit 1
+fi
+say "TLS everywhere: plain text is refused; generation below runs over TLS (mutual between services)"
 
 prompt='def add(a, b):\n    return a + b\n\ndef sub(a, b):'
 generate() {

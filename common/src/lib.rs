@@ -2,10 +2,11 @@
 //! ([`telemetry`]), gRPC health and reflection plus shutdown signals ([`serve`]), and the
 //! conversions between the model crate's types and the wire types ([`convert`]), and the
 //! model flags every model-serving binary takes ([`model_args`]), and a small OTLP trace
-//! receiver ([`otlp_sink`]).
+//! receiver ([`otlp_sink`]), and TLS set-up with a development CA ([`tls`]).
 
 pub mod convert;
 pub mod model_args;
 pub mod otlp_sink;
 pub mod serve;
 pub mod telemetry;
+pub mod tls;

@@ -28,6 +28,7 @@ pub type TracedRouter = Router<tower::layer::util::Stack<TraceContextLayer, towe
 /// A bound gRPC listener with health and reflection ready to mount beside one service.
 pub struct GrpcServer {
     pub health: Health,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     health_service: HealthServer<HealthService>,
     listener: TcpListener,
 }
@@ -43,7 +44,14 @@ impl GrpcServer {
             health,
             health_service,
             listener,
+            tls: None,
         })
+    }
+
+    /// Serves TLS (mutual when the config names a client CA).
+    pub fn with_tls(mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
+        self.tls = tls;
+        self
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -59,7 +67,13 @@ impl GrpcServer {
         self,
         mount: impl FnOnce(TracedRouter) -> TracedRouter,
     ) -> Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>, String> {
-        let router = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.tls {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| format!("bad TLS configuration: {e}"))?;
+        }
+        let router = builder
             .layer(TraceContextLayer)
             .add_service(self.health_service)
             .add_service(reflection()?);

@@ -9,6 +9,7 @@ use clap::Parser;
 use specd_common::model_args::ModelArgs;
 use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_common::telemetry::TelemetryArgs;
+use specd_common::tls::TlsArgs;
 use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramConfig};
 use specd_proto::DrafterServer;
 
@@ -37,6 +38,8 @@ struct Config {
     #[command(flatten)]
     serve: ServeArgs,
     #[command(flatten)]
+    tls: TlsArgs,
+    #[command(flatten)]
     model: ModelArgs,
 }
 
@@ -57,7 +60,8 @@ fn main() -> anyhow::Result<()> {
 async fn run(config: Config) -> anyhow::Result<()> {
     let grpc = GrpcServer::bind("specd.v1.Drafter", config.listen)
         .await
-        .map_err(anyhow::Error::msg)?;
+        .map_err(anyhow::Error::msg)?
+        .with_tls(config.tls.server(true).map_err(anyhow::Error::msg)?);
     let local = grpc.local_addr();
     let health = grpc.health.clone();
     let service = DrafterService::default();

@@ -11,7 +11,7 @@ use specd_proto::v1 as pb;
 use specd_proto::{DrafterClient, VerifierClient};
 use specd_verifier::VerifierCore;
 use tonic::Status;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tower::ServiceExt;
 use tower::util::BoxCloneSyncService;
 
@@ -97,9 +97,15 @@ impl DrafterBackend for DrafterCore {
 /// A lazily connected channel. HTTP/2 keep-alive pings find a peer that vanished without
 /// closing its connections (a killed container, a partition) within seconds, so calls on it
 /// fail over instead of waiting out their deadline.
-fn channel(url: &str, deadline: Duration) -> Result<Channel, String> {
-    Ok(Endpoint::from_shared(url.to_string())
-        .map_err(|e| format!("bad endpoint {url:?}: {e}"))?
+fn channel(url: &str, deadline: Duration, tls: Option<ClientTlsConfig>) -> Result<Channel, String> {
+    let mut endpoint =
+        Endpoint::from_shared(url.to_string()).map_err(|e| format!("bad endpoint {url:?}: {e}"))?;
+    if let Some(tls) = tls {
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| format!("bad TLS configuration for {url}: {e}"))?;
+    }
+    Ok(endpoint
         .connect_timeout(deadline.min(Duration::from_secs(2)))
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(2))
@@ -140,8 +146,8 @@ pub struct GrpcVerifier {
 }
 
 impl GrpcVerifier {
-    pub fn new(url: &str, deadline: Duration) -> Result<Self, String> {
-        let channel = channel(url, deadline)?;
+    pub fn new(url: &str, deadline: Duration, tls: Option<ClientTlsConfig>) -> Result<Self, String> {
+        let channel = channel(url, deadline, tls)?;
         let client = VerifierClient::new(channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -203,8 +209,13 @@ pub struct GrpcDrafter {
 }
 
 impl GrpcDrafter {
-    pub fn new(url: &str, deadline: Duration, breaker: BreakerConfig) -> Result<Self, String> {
-        let client = DrafterClient::new(channel(url, deadline)?)
+    pub fn new(
+        url: &str,
+        deadline: Duration,
+        breaker: BreakerConfig,
+        tls: Option<ClientTlsConfig>,
+    ) -> Result<Self, String> {
+        let client = DrafterClient::new(channel(url, deadline, tls)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         let breaker = Breaker::new(format!("drafter {url}"), breaker);
@@ -271,4 +282,15 @@ pub fn check_identity(
         ));
     }
     Ok(())
+}
+
+/// The host part of a URL (`https://verifier:50052` → `verifier`): the name a server's
+/// certificate must carry.
+pub fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split(']').next().unwrap_or(v6);
+    }
+    authority.rsplit_once(':').map_or(authority, |(host, _)| host)
 }

@@ -80,7 +80,8 @@ pub async fn remote(
     let drafter: Option<Arc<dyn DrafterBackend>> = match remote.drafter_url.as_deref() {
         None => None,
         Some(url) => {
-            let drafter = GrpcDrafter::new(url, remote.pool.deadline, remote.drafter_breaker)?;
+            let tls = remote.pool.tls.client(crate::backend::host_of(url))?;
+            let drafter = GrpcDrafter::new(url, remote.pool.deadline, remote.drafter_breaker, tls)?;
             match drafter.info().await {
                 Ok(info) => {
                     if info.model.is_some() {

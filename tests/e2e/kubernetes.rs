@@ -107,13 +107,31 @@ fn check_container(container: &Yaml, binaries: &HashMap<&str, &str>) -> HashMap<
             .expect("a metrics port");
         assert_eq!(declared["containerPort"].as_i64(), Some(port_of(metrics)));
     }
+    // Probes run `specd health https://127.0.0.1:PORT` (gRPC health over mutual TLS, with
+    // the container's own certificate from SPECD_TLS_*) against the serving port.
     for probe in ["readinessProbe", "livenessProbe"] {
+        let exec = strings(&container[probe]["exec"]["command"]);
+        assert_eq!(exec[..2], ["specd", "health"], "{}: {probe}", command[0]);
         assert_eq!(
-            container[probe]["grpc"]["port"].as_i64(),
-            Some(listen),
-            "{}: {probe} must check gRPC health on the serving port",
+            exec[2],
+            format!("https://127.0.0.1:{listen}"),
+            "{}: {probe} port",
             command[0]
         );
+    }
+    let mounts = container["volumeMounts"].as_vec().unwrap();
+    for env in container["env"].as_vec().unwrap() {
+        let var = env["name"].as_str().unwrap();
+        if var.starts_with("SPECD_TLS_") {
+            let path = env["value"].as_str().unwrap();
+            assert!(
+                mounts
+                    .iter()
+                    .any(|m| path.starts_with(m["mountPath"].as_str().unwrap())),
+                "{}: {var}={path} is on no mounted volume",
+                command[0]
+            );
+        }
     }
     flags
 }
@@ -183,7 +201,7 @@ fn manifests_match_the_binaries_flags_ports_and_services() {
     assert_eq!(
         drafter_url,
         &format!(
-            "http://specd-drafter:{}",
+            "https://specd-drafter:{}",
             port_of(&flags_by_deployment["specd-drafter"]["--listen"])
         )
     );

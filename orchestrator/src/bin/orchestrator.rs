@@ -11,6 +11,7 @@ use anyhow::Context;
 use clap::Parser;
 use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_common::telemetry::TelemetryArgs;
+use specd_common::tls::TlsArgs;
 use specd_orchestrator::auth::{ApiKeyAuth, KeyStore};
 use specd_orchestrator::breaker::BreakerConfig;
 use specd_orchestrator::pool::PoolConfig;
@@ -76,6 +77,10 @@ struct Config {
     no_auth: bool,
     #[command(flatten)]
     serve: ServeArgs,
+    /// TLS: the public port serves it (clients authenticate with API keys), and calls to
+    /// the drafter and verifiers use mutual TLS with this certificate and CA.
+    #[command(flatten)]
+    tls: TlsArgs,
     /// Drafter endpoint, e.g. http://127.0.0.1:50051; without one, decoding is plain.
     #[arg(long, env = "SPECD_DRAFTER")]
     drafter: Option<String>,
@@ -124,7 +129,8 @@ async fn main() -> anyhow::Result<()> {
         specd_common::telemetry::init("orchestrator", &config.telemetry).map_err(anyhow::Error::msg)?;
     let grpc = GrpcServer::bind("specd.v1.Orchestrator", config.listen)
         .await
-        .map_err(anyhow::Error::msg)?;
+        .map_err(anyhow::Error::msg)?
+        .with_tls(config.tls.server(false).map_err(anyhow::Error::msg)?);
     let health = grpc.health.clone();
     let local = grpc.local_addr();
     let model_path = match &config.model {
@@ -167,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
         load_factor: config.load_factor,
         max_pins: config.max_sessions.saturating_mul(2).max(1024),
         tokenizer_identity: String::new(),
+        tls: config.tls.clone(),
     };
     let generator = remote(
         text,

@@ -47,25 +47,42 @@ pub fn parse_targets(urls: &[String], dns_names: &[String]) -> Result<Vec<Target
 }
 
 /// Resolves targets to replica endpoints, remembering each name's last good answer.
-#[derive(Default)]
 pub struct Resolver {
+    /// `http` or `https` for the endpoints a DNS name yields.
+    scheme: &'static str,
     last_known: BTreeMap<String, BTreeSet<String>>,
 }
 
+impl Default for Resolver {
+    fn default() -> Self {
+        Self::new("http")
+    }
+}
+
 impl Resolver {
-    /// Every replica endpoint the targets name now.
-    pub async fn resolve(&mut self, targets: &[Target]) -> BTreeSet<String> {
-        let mut endpoints = BTreeSet::new();
+    pub fn new(scheme: &'static str) -> Self {
+        Self {
+            scheme,
+            last_known: BTreeMap::new(),
+        }
+    }
+
+    /// Every replica endpoint the targets name now, with the name its TLS certificate must
+    /// carry (the URL's host, or the DNS name it was found under).
+    pub async fn resolve(&mut self, targets: &[Target]) -> BTreeMap<String, String> {
+        let mut endpoints = BTreeMap::new();
         for target in targets {
             match target {
                 Target::Static(url) => {
-                    endpoints.insert(url.clone());
+                    endpoints.insert(url.clone(), crate::backend::host_of(url).to_string());
                 }
                 Target::Dns { host, port } => {
                     let name = format!("{host}:{port}");
                     match tokio::net::lookup_host(&name).await {
                         Ok(addresses) => {
-                            let found: BTreeSet<String> = addresses.map(|a| format!("http://{a}")).collect();
+                            let scheme = self.scheme;
+                            let found: BTreeSet<String> =
+                                addresses.map(|a| format!("{scheme}://{a}")).collect();
                             if found.is_empty() {
                                 tracing::warn!(%name, "DNS name resolves to no address; keeping the last known replicas");
                             } else {
@@ -77,7 +94,7 @@ impl Resolver {
                         }
                     }
                     if let Some(known) = self.last_known.get(&name) {
-                        endpoints.extend(known.iter().cloned());
+                        endpoints.extend(known.iter().map(|e| (e.clone(), host.clone())));
                     }
                 }
             }
@@ -135,7 +152,10 @@ mod tests {
         let found = resolver.resolve(&targets).await;
         assert_eq!(
             found.into_iter().collect::<Vec<_>>(),
-            vec!["http://127.0.0.1:7".to_string(), "http://127.0.0.9:1".to_string()]
+            vec![
+                ("http://127.0.0.1:7".to_string(), "127.0.0.1".to_string()),
+                ("http://127.0.0.9:1".to_string(), "127.0.0.9".to_string())
+            ]
         );
         // "localhost" answers from /etc/hosts without a DNS server.
         let local = resolver
@@ -144,7 +164,19 @@ mod tests {
                 port: 9,
             }])
             .await;
-        assert!(local.contains("http://127.0.0.1:9"), "{local:?}");
+        assert_eq!(
+            local.get("http://127.0.0.1:9").map(String::as_str),
+            Some("localhost"),
+            "{local:?}"
+        );
+        // With TLS, DNS endpoints are https and keep the name for certificate checks.
+        let tls = Resolver::new("https")
+            .resolve(&[Target::Dns {
+                host: "localhost".into(),
+                port: 9,
+            }])
+            .await;
+        assert!(tls.contains_key("https://127.0.0.1:9"), "{tls:?}");
         // A name that stops resolving keeps its last answer.
         resolver.last_known.insert(
             "no-such-host.invalid:5".into(),
@@ -157,7 +189,7 @@ mod tests {
             }])
             .await;
         assert_eq!(
-            kept.into_iter().collect::<Vec<_>>(),
+            kept.into_keys().collect::<Vec<_>>(),
             vec!["http://10.1.1.1:5".to_string()]
         );
     }

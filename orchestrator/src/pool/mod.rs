@@ -12,11 +12,12 @@ pub mod discovery;
 pub mod rendezvous;
 pub mod retry;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::Duration;
 
+use specd_common::tls::TlsArgs;
 use specd_proto::v1 as pb;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -50,6 +51,8 @@ pub struct PoolConfig {
     pub max_pins: usize,
     /// The orchestrator's tokenizer identity; replicas must match it.
     pub tokenizer_identity: String,
+    /// TLS towards replicas (https endpoints, this process's certificate, the CA).
+    pub tls: TlsArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,7 +146,7 @@ impl VerifierPool {
             failovers: AtomicU64::new(0),
             discovery: Mutex::new(None),
         });
-        let mut resolver = Resolver::default();
+        let mut resolver = Resolver::new(pool.config.tls.scheme());
         let endpoints = resolver.resolve(&pool.config.targets).await;
         pool.sync(endpoints)?;
         let weak = Arc::downgrade(&pool);
@@ -165,30 +168,30 @@ impl VerifierPool {
     }
 
     /// Adds replicas that appeared and drops those that went away.
-    fn sync(self: &Arc<Self>, endpoints: BTreeSet<String>) -> Result<(), String> {
+    fn sync(self: &Arc<Self>, endpoints: BTreeMap<String, String>) -> Result<(), String> {
         let mut replicas = self.replicas.write().expect("pool lock");
         let gone: Vec<String> = replicas
             .keys()
-            .filter(|k| !endpoints.contains(*k))
+            .filter(|k| !endpoints.contains_key(*k))
             .cloned()
             .collect();
         for endpoint in gone {
             tracing::info!(replica = %endpoint, "verifier replica left the pool");
             replicas.remove(&endpoint);
         }
-        for endpoint in endpoints {
+        for (endpoint, domain) in endpoints {
             if replicas.contains_key(&endpoint) {
                 continue;
             }
-            let replica = self.new_replica(&endpoint)?;
+            let replica = self.new_replica(&endpoint, &domain)?;
             tracing::info!(replica = %endpoint, "verifier replica joined the pool");
             replicas.insert(endpoint, replica);
         }
         Ok(())
     }
 
-    fn new_replica(self: &Arc<Self>, endpoint: &str) -> Result<Arc<Replica>, String> {
-        let client = GrpcVerifier::new(endpoint, self.config.deadline)?;
+    fn new_replica(self: &Arc<Self>, endpoint: &str, domain: &str) -> Result<Arc<Replica>, String> {
+        let client = GrpcVerifier::new(endpoint, self.config.deadline, self.config.tls.client(domain)?)?;
         let breaker = Breaker::new(format!("verifier {endpoint}"), self.config.breaker);
         let calls = client.clone();
         let verify = tower::ServiceBuilder::new()

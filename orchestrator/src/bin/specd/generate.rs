@@ -63,6 +63,10 @@ pub struct GenerateArgs {
     /// API key for the orchestrator (sent as `authorization: Bearer KEY`).
     #[arg(long, env = "SPECD_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// TLS towards the orchestrator (an https:// URL): the CA to trust, and optionally a
+    /// client certificate.
+    #[command(flatten)]
+    tls: specd_common::tls::TlsArgs,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -126,7 +130,7 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
     });
     let response = match &args.orchestrator {
-        Some(url) => remote_generate(url, args.api_key.as_deref(), request, chunks_tx).await?,
+        Some(url) => remote_generate(url, args.api_key.as_deref(), &args.tls, request, chunks_tx).await?,
         None => {
             let model = args.model.clone();
             let loaded = tokio::task::spawn_blocking(move || model.load())
@@ -151,12 +155,15 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
 async fn remote_generate(
     url: &str,
     api_key: Option<&str>,
+    tls: &specd_common::tls::TlsArgs,
     request: pb::GenerateRequest,
     chunks: tokio::sync::mpsc::Sender<pb::TokenChunk>,
 ) -> anyhow::Result<pb::GenerateResponse> {
-    let mut client = OrchestratorClient::connect(url.to_string())
-        .await
-        .with_context(|| format!("cannot reach the orchestrator at {url}"))?;
+    let mut client = OrchestratorClient::new(
+        crate::ops::connect(url, tls, std::time::Duration::from_secs(10))
+            .await
+            .with_context(|| format!("cannot reach the orchestrator at {url}"))?,
+    );
     let mut stream = client
         .generate_stream(crate::ops::authorized(request, api_key)?)
         .await?

@@ -40,6 +40,8 @@ enum Command {
     TraceSink(ops::TraceSinkArgs),
     /// Print an API key's SHA-256, the form the orchestrator's key file stores.
     HashKey(ops::HashKeyArgs),
+    /// Make a development CA and TLS certificates for the services.
+    DevCerts(ops::DevCertsArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -72,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         Command::Replicas(args) => runtime()?.block_on(ops::replicas(args)),
         Command::TraceSink(args) => runtime()?.block_on(ops::trace_sink(args)),
         Command::HashKey(args) => ops::hash_key(args),
+        Command::DevCerts(args) => ops::dev_certs(args),
         Command::FetchModel => {
             println!("{}", specd_model::fetch::ensure_default_model()?.display());
             Ok(())

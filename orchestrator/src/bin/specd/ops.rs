@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
+use specd_common::tls::{DevCa, TlsArgs};
 use specd_proto::v1 as pb;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -22,16 +23,34 @@ pub struct HealthArgs {
     /// Give up after this many milliseconds.
     #[arg(long, default_value_t = 3000)]
     timeout_ms: u64,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// A channel to `url`, over TLS when the flags say so (the server checked as the URL's host).
+pub async fn connect(
+    url: &str,
+    tls: &TlsArgs,
+    timeout: Duration,
+) -> anyhow::Result<tonic::transport::Channel> {
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url.to_string())?.connect_timeout(timeout);
+    if let Some(config) = tls
+        .client(specd_orchestrator::backend::host_of(url))
+        .map_err(anyhow::Error::msg)?
+    {
+        endpoint = endpoint.tls_config(config)?;
+    }
+    endpoint
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach {url}"))
 }
 
 /// Exits 0 when the service reports SERVING, 1 otherwise.
 pub async fn health(args: HealthArgs) -> anyhow::Result<()> {
     let timeout = Duration::from_millis(args.timeout_ms);
     let check = async {
-        let channel = tonic::transport::Endpoint::from_shared(args.url.clone())?
-            .connect_timeout(timeout)
-            .connect()
-            .await?;
+        let channel = connect(&args.url, &args.tls, timeout).await?;
         let response = HealthClient::new(channel)
             .check(HealthCheckRequest {
                 service: args.service.clone(),
@@ -65,6 +84,8 @@ pub struct ReplicasArgs {
     /// API key for the orchestrator.
     #[arg(long, env = "SPECD_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// A request carrying `authorization: Bearer KEY` when a key is given.
@@ -102,9 +123,9 @@ pub fn hash_key(args: HashKeyArgs) -> anyhow::Result<()> {
 
 /// Prints the verifier pool: health, breaker, load and sessions per replica.
 pub async fn replicas(args: ReplicasArgs) -> anyhow::Result<()> {
-    let mut client = specd_proto::OrchestratorClient::connect(args.orchestrator.clone())
-        .await
-        .with_context(|| format!("cannot reach the orchestrator at {}", args.orchestrator))?;
+    let mut client = specd_proto::OrchestratorClient::new(
+        connect(&args.orchestrator, &args.tls, Duration::from_secs(5)).await?,
+    );
     let r = client
         .replicas(authorized(pb::ReplicasRequest {}, args.api_key.as_deref())?)
         .await?
@@ -183,5 +204,44 @@ pub async fn trace_sink(args: TraceSinkArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     eprintln!("trace-sink: receiving OTLP/gRPC at {}", sink.endpoint);
     specd_common::serve::shutdown_signal().await;
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DevCertsArgs {
+    /// Directory to write ca.pem, NAME.pem and NAME-key.pem into.
+    #[arg(long, default_value = "certs")]
+    out: std::path::PathBuf,
+    /// One certificate per name (each valid for that DNS name), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "orchestrator,verifier,drafter")]
+    names: Vec<String>,
+    /// Extra names every certificate is also valid for (DNS names or IP addresses).
+    #[arg(long, value_delimiter = ',', default_value = "localhost,127.0.0.1")]
+    san: Vec<String>,
+    /// Make new ones even if `OUT/ca.pem` exists (otherwise existing ones are kept).
+    #[arg(long)]
+    force: bool,
+}
+
+/// Makes a development CA and a certificate per service. Keys are written readable, for
+/// containers running as another user: development only; use your own PKI in production.
+pub fn dev_certs(args: DevCertsArgs) -> anyhow::Result<()> {
+    if args.out.join("ca.pem").exists() && !args.force {
+        eprintln!(
+            "{} already holds a CA; keeping it (--force to replace)",
+            args.out.display()
+        );
+        return Ok(());
+    }
+    let ca = DevCa::new("specd development CA").map_err(anyhow::Error::msg)?;
+    let names: Vec<&str> = args.names.iter().map(String::as_str).collect();
+    let sans: Vec<&str> = args.san.iter().map(String::as_str).collect();
+    ca.write(&args.out, &names, &sans).map_err(anyhow::Error::msg)?;
+    eprintln!(
+        "wrote {}/ca.pem and certificates for {} (also valid for {})",
+        args.out.display(),
+        names.join(", "),
+        sans.join(", ")
+    );
     Ok(())
 }
