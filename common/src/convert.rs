@@ -63,6 +63,11 @@ pub fn distribution_from_proto(dist: &pb::Distribution, vocab: usize) -> Result<
                     s.probs.len()
                 ));
             }
+            let mut seen = std::collections::HashSet::with_capacity(s.ids.len());
+            if let Some(id) = s.ids.iter().find(|&&id| !seen.insert(id)) {
+                // Mass split over duplicates would make p(x) and q(x) wrong in acceptance.
+                return Err(format!("sparse distribution lists token {id} twice"));
+            }
             SparseDist {
                 ids: s.ids.clone(),
                 probs: s.probs.clone(),
@@ -149,6 +154,9 @@ mod tests {
         assert!(distribution_from_proto(&sparse(vec![1, 2], vec![0.5, 0.6]), 10).is_err());
         assert!(distribution_from_proto(&sparse(vec![1, 2], vec![f32::NAN, 1.0]), 10).is_err());
         assert!(distribution_from_proto(&sparse(vec![1, 2], vec![-0.5, 1.5]), 10).is_err());
+        // Found by the property tests: duplicate ids would split a token's mass.
+        let duplicate = distribution_from_proto(&sparse(vec![5, 5], vec![0.5, 0.5]), 10);
+        assert!(duplicate.unwrap_err().contains("twice"));
         assert!(
             distribution_from_proto(
                 &wire(Repr::Dense(pb::DenseDistribution { values: vec![1.0; 3] })),
