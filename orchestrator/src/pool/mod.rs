@@ -529,3 +529,53 @@ async fn watch_health(replica: Weak<Replica>, interval: Duration, timeout: Durat
         tokio::time::sleep(interval).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(max_pins: usize) -> PoolConfig {
+        PoolConfig {
+            // Nothing listens there: these tests never call a replica.
+            targets: vec![Target::Static("http://127.0.0.1:9".into())],
+            deadline: Duration::from_millis(200),
+            resolve_interval: Duration::from_secs(60),
+            health_interval: Duration::from_secs(60),
+            retry: RetryConfig::default(),
+            breaker: BreakerConfig::default(),
+            load_factor: 1.25,
+            max_pins,
+            tokenizer_identity: "test".into(),
+            tls: TlsArgs::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn session_pins_are_bounded_and_the_oldest_go_first() {
+        let pool = VerifierPool::start(config(8)).await.unwrap();
+        for i in 0..100 {
+            pool.pin(&format!("s{i}"), "http://127.0.0.1:9");
+        }
+        let pins = pool.pins.lock().unwrap();
+        assert!(pins.len() <= 8, "{} pins kept", pins.len());
+        assert!(pins.contains_key("s99"), "the newest pin is kept");
+        assert!(!pins.contains_key("s0"), "the oldest pins are dropped");
+    }
+
+    #[tokio::test]
+    async fn with_every_replica_down_a_call_fails_fast_with_the_cause() {
+        let pool = VerifierPool::start(config(8)).await.unwrap();
+        let started = Instant::now();
+        let status = pool
+            .verify(pb::VerifyRequest {
+                session_id: "s".into(),
+                context: vec![1],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("attempts"), "{status:?}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+}
