@@ -39,6 +39,8 @@ struct Costs {
     /// Seconds of one drafter call, and per drafted token (LM drafters).
     draft_call: f64,
     draft_per_token: f64,
+    /// Sessions sharing the verifier's forward passes lately (its reported batch size).
+    load: f64,
 }
 
 impl Default for CostModel {
@@ -51,6 +53,7 @@ impl Default for CostModel {
                 per_token: 0.0134,
                 draft_call: 0.0005,
                 draft_per_token: 0.0,
+                load: 1.0,
             }),
         }
     }
@@ -68,6 +71,17 @@ impl CostModel {
         }
     }
 
+    /// Records how many sessions shared the verifier pass that served a step.
+    pub fn record_load(&self, batch_size: u32) {
+        let mut c = self.inner.lock().expect("cost model lock");
+        c.load = ema(c.load, f64::from(batch_size.max(1)));
+    }
+
+    /// Sessions sharing each verifier pass lately (1 when idle).
+    pub fn load(&self) -> f64 {
+        self.inner.lock().expect("cost model lock").load
+    }
+
     /// Records a drafter call that proposed `k` tokens in `seconds`.
     pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
         let mut c = self.inner.lock().expect("cost model lock");
@@ -78,10 +92,13 @@ impl CostModel {
         }
     }
 
-    /// Expected seconds of a step verifying `k` drafts.
+    /// Expected cost, in seconds, of a step verifying `k` drafts. Under load the verifier's
+    /// passes are shared by `load` sessions: a draft token then delays every one of them, so
+    /// it is charged `load` times (the system's cost, not this session's wall time). K
+    /// therefore shrinks as the verifier gets busy and grows back when it idles.
     pub fn step_seconds(&self, k: usize) -> f64 {
         let c = *self.inner.lock().expect("cost model lock");
-        let verify = c.base + c.per_token * k as f64;
+        let verify = c.base + c.per_token * c.load.max(1.0) * k as f64;
         if k == 0 {
             verify
         } else {
@@ -188,6 +205,25 @@ impl KPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn k_shrinks_under_load_and_grows_back_when_idle() {
+        let costs = costs(0.02, 0.003);
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 3, 0); // α ≈ 0.75
+        }
+        let idle = policy.choose(8, 0, &costs);
+        for _ in 0..40 {
+            costs.record_load(16);
+        }
+        let busy = policy.choose(8, 0, &costs);
+        assert!(busy < idle, "K under load {busy} vs idle {idle}");
+        for _ in 0..40 {
+            costs.record_load(1);
+        }
+        assert_eq!(policy.choose(8, 0, &costs), idle);
+    }
 
     fn costs(base: f64, per_token: f64) -> CostModel {
         let model = CostModel::default();

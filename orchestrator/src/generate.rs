@@ -300,9 +300,12 @@ impl Generator {
             let verify_seconds = verify_started.elapsed().as_secs_f64();
             // Cost per scored token: a pass that also (re)computed context (prompt processing,
             // a cache miss) would distort the curve, so only cache-warm passes count.
-            if response.computed_tokens as usize == draft.len() + 1 {
+            // Batched with other sessions, the pass time is theirs too: only lone passes
+            // measure the curve; the batch size itself feeds the load term.
+            if response.computed_tokens as usize == draft.len() + 1 && response.batch_size <= 1 {
                 self.costs.record_verify(draft.len(), verify_seconds);
             }
+            self.costs.record_load(response.batch_size);
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
             totals.bytes_received += bytes_received;

@@ -5,6 +5,7 @@
 //! `specd replicas` and `specd trace-sink` help operate a deployment.
 
 mod bench_engine;
+mod bench_load;
 mod bench_spec;
 mod generate;
 mod ops;
@@ -51,6 +52,8 @@ enum BenchCommand {
     Engine(bench_engine::EngineBenchArgs),
     /// Speculative vs plain decoding through the same stack, per workload.
     Spec(bench_spec::SpecBenchArgs),
+    /// Throughput and latency under concurrent sessions, through real service processes.
+    Load(bench_load::LoadBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -64,6 +67,10 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => {
             args.model.apply_threads();
             bench_engine::run(args)
+        }
+        Command::Bench(BenchCommand::Load(args)) => {
+            specd_common::telemetry::init_logging();
+            runtime()?.block_on(bench_load::run(args))
         }
         Command::Bench(BenchCommand::Spec(args)) => {
             args.model.apply_threads();

@@ -1,0 +1,389 @@
+//! `specd bench load`: throughput and latency under concurrent sessions, through the real
+//! services. For each verifier count it starts that many `verifier-svc` processes, one
+//! `drafter-svc` and an `orchestrator` on loopback, then runs C concurrent streaming
+//! sessions (prompts cycling through the `specd bench spec` workloads) plainly and
+//! speculatively. Reports aggregate tok/s, time to first token and inter-token latency
+//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use specd_proto::v1 as pb;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+const WORKLOADS: &str = include_str!("workloads.json");
+
+#[derive(Debug, clap::Args)]
+pub struct LoadBenchArgs {
+    /// Concurrent sessions, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    concurrency: Vec<usize>,
+    /// Verifier process counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    verifiers: Vec<usize>,
+    /// Tokens generated per session.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// CPU threads per verifier process.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// GGUF model (default: the default model, fetched once).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Directory holding verifier-svc, drafter-svc and orchestrator (default: this
+    /// executable's).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench-out/load.json")]
+    json_out: PathBuf,
+}
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn(bin_dir: &Path, name: &str, port: u16, args: &[String], threads: usize) -> anyhow::Result<Proc> {
+    let child = Command::new(bin_dir.join(name))
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .args(args)
+        .env("SPECD_THREADS", threads.to_string())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin_dir.join(name).display()))?;
+    Ok(Proc(child))
+}
+
+async fn wait_serving(url: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(url.to_string())?
+            .connect()
+            .await
+            && let Ok(r) = HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+            && r.get_ref().status == ServingStatus::Serving as i32
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(180),
+            "{url} never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One session's measurements.
+struct Session {
+    tokens: usize,
+    ttft: Duration,
+    gaps: Vec<Duration>,
+    stats: pb::SpeculationStats,
+}
+
+/// CPU seconds (user + system) a process has used, from /proc (Linux).
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return f64::NAN;
+    };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+async fn session(url: String, prompt: String, max_tokens: u32, speculate: bool) -> anyhow::Result<Session> {
+    let mut client = specd_proto::OrchestratorClient::connect(url).await?;
+    let request = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Chat(pb::ChatMessages {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: prompt,
+            }],
+        })),
+        max_tokens,
+        speculation: Some(pb::SpeculationOptions {
+            disable: !speculate,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let mut stream = client.generate_stream(request).await?.into_inner();
+    let (mut tokens, mut ttft, mut last) = (0usize, None, started);
+    let mut gaps = Vec::new();
+    let mut stats = pb::SpeculationStats::default();
+    while let Some(event) = stream.message().await? {
+        if let Some(pb::generate_stream_response::Event::Done(done)) = &event.event {
+            stats = done.stats.unwrap_or_default();
+        }
+        if let Some(pb::generate_stream_response::Event::Chunk(chunk)) = event.event {
+            let n = chunk.token_ids.len();
+            if n == 0 {
+                continue;
+            }
+            let now = Instant::now();
+            if ttft.is_none() {
+                ttft = Some(now - started);
+            } else {
+                // Tokens of one chunk arrive together: each counts an equal share of the gap.
+                let gap = (now - last) / n as u32;
+                gaps.extend(std::iter::repeat_n(gap, n));
+            }
+            last = now;
+            tokens += n;
+        }
+    }
+    Ok(Session {
+        tokens,
+        ttft: ttft.unwrap_or_else(|| started.elapsed()),
+        gaps,
+        stats,
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    verifiers: usize,
+    concurrency: usize,
+    mode: &'static str,
+    tokens: usize,
+    seconds: f64,
+    tokens_per_second: f64,
+    ttft_p50_ms: f64,
+    ttft_p99_ms: f64,
+    itl_p50_ms: f64,
+    itl_p99_ms: f64,
+    failed: usize,
+    /// Orchestrator CPU per speculative step (verifier call), drafter CPU per proposal,
+    /// and bytes on the wire per step.
+    orchestrator_cpu_ms_per_step: f64,
+    drafter_cpu_ms_per_call: f64,
+    bytes_per_step: f64,
+    mean_k: f64,
+}
+
+fn percentile_ms(values: &mut [Duration], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort();
+    values[((values.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
+pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
+    let bin_dir = match &args.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("no executable directory")?
+            .to_path_buf(),
+    };
+    let model = match &args.model {
+        Some(path) => path.clone(),
+        None => tokio::task::spawn_blocking(specd_model::fetch::ensure_default_model).await??,
+    };
+    let model = model.display().to_string();
+    let workloads: serde_json::Value = serde_json::from_str(WORKLOADS)?;
+    let prompts: Vec<String> = workloads["workloads"]
+        .as_array()
+        .context("workloads")?
+        .iter()
+        .flat_map(|w| w["prompts"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p.as_str().map(String::from))
+        .collect();
+    let mut rows = Vec::new();
+    for &verifier_count in &args.verifiers {
+        let mut procs = Vec::new();
+        let mut urls = Vec::new();
+        for _ in 0..verifier_count {
+            let port = free_port()?;
+            procs.push(spawn(
+                &bin_dir,
+                "verifier-svc",
+                port,
+                &["--model".into(), model.clone()],
+                args.threads,
+            )?);
+            urls.push(format!("http://127.0.0.1:{port}"));
+        }
+        let drafter_port = free_port()?;
+        procs.push(spawn(
+            &bin_dir,
+            "drafter-svc",
+            drafter_port,
+            &["--model".into(), model.clone()],
+            1,
+        )?);
+        let drafter_url = format!("http://127.0.0.1:{drafter_port}");
+        for url in urls.iter().chain([&drafter_url]) {
+            wait_serving(url).await?;
+        }
+        let orchestrator_port = free_port()?;
+        let orchestrator_args = vec![
+            "--model".to_string(),
+            model.clone(),
+            "--verifier".into(),
+            urls.join(","),
+            "--drafter".into(),
+            drafter_url,
+            "--no-auth".into(),
+            "--max-concurrent-requests".into(),
+            "1024".into(),
+            // Saturation is the point here: 64 prompts queued on one single-threaded verifier
+            // take longer than the default 30 s call deadline.
+            "--call-deadline-ms".into(),
+            "300000".into(),
+        ];
+        procs.push(spawn(
+            &bin_dir,
+            "orchestrator",
+            orchestrator_port,
+            &orchestrator_args,
+            1,
+        )?);
+        let url = format!("http://127.0.0.1:{orchestrator_port}");
+        wait_serving(&url).await?;
+        // Warm-up: page in weights on every replica.
+        let warm: Vec<_> = (0..verifier_count * 2)
+            .map(|i| tokio::spawn(session(url.clone(), prompts[i % prompts.len()].clone(), 4, true)))
+            .collect();
+        for w in warm {
+            w.await??;
+        }
+        for &concurrency in &args.concurrency {
+            for (mode, speculate) in [("plain", false), ("speculative", true)] {
+                eprintln!("bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode}");
+                let orchestrator_pid = procs.last().expect("the orchestrator").0.id();
+                let drafter_pid = procs[verifier_count].0.id();
+                let cpu_before = (cpu_seconds(orchestrator_pid), cpu_seconds(drafter_pid));
+                let started = Instant::now();
+                let tasks: Vec<_> = (0..concurrency)
+                    .map(|i| {
+                        let prompt = prompts[i % prompts.len()].clone();
+                        tokio::spawn(session(url.clone(), prompt, args.max_tokens, speculate))
+                    })
+                    .collect();
+                let (mut ttfts, mut gaps, mut tokens, mut failed) = (Vec::new(), Vec::new(), 0, 0);
+                let (mut steps, mut drafter_calls, mut bytes, mut k_sum) = (0u64, 0u64, 0u64, 0.0);
+                for task in tasks {
+                    match task.await? {
+                        Ok(s) => {
+                            tokens += s.tokens;
+                            ttfts.push(s.ttft);
+                            gaps.extend(s.gaps);
+                            steps += u64::from(s.stats.verifier_calls);
+                            drafter_calls += u64::from(s.stats.drafter_calls);
+                            bytes += s.stats.bytes_sent + s.stats.bytes_received;
+                            k_sum += s.stats.mean_k;
+                        }
+                        Err(error) => {
+                            eprintln!("bench load: a session failed: {error:#}");
+                            failed += 1;
+                        }
+                    }
+                }
+                let seconds = started.elapsed().as_secs_f64();
+                let orchestrator_cpu = cpu_seconds(orchestrator_pid) - cpu_before.0;
+                let drafter_cpu = cpu_seconds(drafter_pid) - cpu_before.1;
+                let per = |total: f64, n: u64| if n == 0 { 0.0 } else { total / n as f64 };
+                rows.push(Row {
+                    orchestrator_cpu_ms_per_step: per(orchestrator_cpu * 1e3, steps),
+                    drafter_cpu_ms_per_call: per(drafter_cpu * 1e3, drafter_calls),
+                    bytes_per_step: per(bytes as f64, steps),
+                    mean_k: k_sum / concurrency.max(1) as f64,
+                    verifiers: verifier_count,
+                    concurrency,
+                    mode,
+                    tokens,
+                    seconds,
+                    tokens_per_second: tokens as f64 / seconds,
+                    ttft_p50_ms: percentile_ms(&mut ttfts, 0.5),
+                    ttft_p99_ms: percentile_ms(&mut ttfts, 0.99),
+                    itl_p50_ms: percentile_ms(&mut gaps, 0.5),
+                    itl_p99_ms: percentile_ms(&mut gaps, 0.99),
+                    failed,
+                });
+            }
+        }
+        drop(procs);
+    }
+    print_table(&rows);
+    if let Some(parent) = args.json_out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(&args.json_out, serde_json::to_string_pretty(&rows)?)?;
+    eprintln!("wrote {}", args.json_out.display());
+    Ok(())
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>7}",
+        "verifiers",
+        "conc",
+        "mode",
+        "tok/s",
+        "vs plain",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "failed",
+        "mean K",
+        "orch ms/st",
+        "drft ms/c",
+        "B/step"
+    );
+    for row in rows {
+        let plain = rows
+            .iter()
+            .find(|r| r.verifiers == row.verifiers && r.concurrency == row.concurrency && r.mode == "plain")
+            .map_or(f64::NAN, |r| r.tokens_per_second);
+        println!(
+            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.3} {:>9.3} {:>7.0}",
+            row.verifiers,
+            row.concurrency,
+            row.mode,
+            row.tokens_per_second,
+            row.tokens_per_second / plain,
+            row.ttft_p50_ms,
+            row.ttft_p99_ms,
+            row.itl_p50_ms,
+            row.itl_p99_ms,
+            row.failed,
+            row.mean_k,
+            row.orchestrator_cpu_ms_per_step,
+            row.drafter_cpu_ms_per_call,
+            row.bytes_per_step
+        );
+    }
+}
