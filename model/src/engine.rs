@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Instant;
 
@@ -114,6 +114,8 @@ pub struct Engine {
     info: Arc<ModelInfo>,
     /// Jobs submitted and not yet taken by the engine thread.
     waiting: Arc<AtomicUsize>,
+    /// Recent seconds of engine time per job (an f64's bits), for wait estimates.
+    seconds_per_job: Arc<AtomicU64>,
 }
 
 /// Everything loaded from one GGUF file.
@@ -202,8 +204,10 @@ impl Engine {
     fn spawn(llama: Llama, info: ModelInfo, options: &EngineOptions) -> Result<Self> {
         let (jobs, queue) = std::sync::mpsc::sync_channel(options.max_queue.max(1));
         let waiting = Arc::new(AtomicUsize::new(0));
+        let seconds_per_job = Arc::new(AtomicU64::new(0f64.to_bits()));
         let worker = Worker {
             waiting: waiting.clone(),
+            seconds_per_job: seconds_per_job.clone(),
             cache: CacheStore::new(options.max_cache_bytes),
             llama,
             max_batch_tokens: options.max_batch_tokens.max(1),
@@ -217,6 +221,7 @@ impl Engine {
             jobs,
             info: Arc::new(info),
             waiting,
+            seconds_per_job,
         })
     }
 
@@ -227,6 +232,13 @@ impl Engine {
     /// Jobs waiting for the engine thread now.
     pub fn queue_depth(&self) -> usize {
         self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// How long a job submitted now would likely wait before its pass starts: the jobs
+    /// ahead of it times the recent engine time per job (zero until a pass has run).
+    pub fn expected_wait(&self) -> std::time::Duration {
+        let per_job = f64::from_bits(self.seconds_per_job.load(Ordering::Relaxed));
+        std::time::Duration::from_secs_f64((self.queue_depth() as f64 * per_job).max(0.0))
     }
 
     fn submit(&self, request: ScoreRequest) -> Result<oneshot::Receiver<Result<Scores>>> {
@@ -273,6 +285,7 @@ impl Engine {
 
 struct Worker {
     waiting: Arc<AtomicUsize>,
+    seconds_per_job: Arc<AtomicU64>,
     llama: Llama,
     cache: CacheStore,
     max_batch_tokens: usize,
@@ -420,6 +433,14 @@ impl Worker {
             self.llama.forward(&mut steps)
         };
         let forward_seconds = started.elapsed().as_secs_f64();
+        let per_job = forward_seconds / batch_size.max(1) as f64;
+        let old = f64::from_bits(self.seconds_per_job.load(Ordering::Relaxed));
+        let ema = if old == 0.0 {
+            per_job
+        } else {
+            old + 0.2 * (per_job - old)
+        };
+        self.seconds_per_job.store(ema.to_bits(), Ordering::Relaxed);
         let vocab = self.llama.config().vocab_size;
         match result {
             Ok(all_logits) => {

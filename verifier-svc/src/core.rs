@@ -41,6 +41,23 @@ impl VerifierCore {
         self.engine.queue_depth()
     }
 
+    /// Refuses a call at once (ResourceExhausted) when the queue ahead of it would likely
+    /// outlast its deadline: better an immediate "overloaded" the caller can take elsewhere
+    /// than a DeadlineExceeded after waiting the whole deadline out.
+    pub fn admit(&self, deadline: Option<std::time::Duration>) -> Result<(), VerifierError> {
+        let Some(deadline) = deadline else { return Ok(()) };
+        let wait = self.engine.expected_wait();
+        if wait > deadline {
+            return Err(VerifierError::Busy(format!(
+                "the queue ahead ({} jobs) would take about {} ms, more than the call's deadline of {} ms",
+                self.engine.queue_depth(),
+                wait.as_millis(),
+                deadline.as_millis()
+            )));
+        }
+        Ok(())
+    }
+
     /// Scores `context + draft` and returns `draft.len() + 1` distributions.
     pub async fn verify(&self, request: pb::VerifyRequest) -> Result<pb::VerifyResponse, VerifierError> {
         let info = self.engine.info();
@@ -113,5 +130,72 @@ impl VerifierCore {
             forward_seconds: scores.forward_seconds,
             replica: self.replica.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use specd_model::EngineOptions;
+    use specd_model::synthetic::{SyntheticSpec, write_tiny_llama};
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_queue_longer_than_the_deadline_is_refused_at_once() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        // Big enough that a pass takes a while, so a queue builds behind it.
+        let spec = SyntheticSpec {
+            n_embd: 128,
+            n_ff: 384,
+            n_head: 4,
+            n_head_kv: 2,
+            n_layer: 4,
+            context_length: 1024,
+            ..SyntheticSpec::default()
+        };
+        write_tiny_llama(file.path(), &spec).unwrap();
+        let loaded = specd_model::load(
+            file.path(),
+            EngineOptions {
+                max_batch_tokens: 1,
+                ..EngineOptions::default()
+            },
+        )
+        .unwrap();
+        let core = Arc::new(VerifierCore::new(loaded.engine, "test".into()));
+        let request = |i: usize| pb::VerifyRequest {
+            session_id: format!("s{i}"),
+            context: (0..400).map(|t| 3 + (t % 250) as u32).collect(),
+            ..Default::default()
+        };
+        core.verify(request(0)).await.unwrap(); // one pass measured
+        let jobs: Vec<_> = (1..9)
+            .map(|i| {
+                let core = core.clone();
+                tokio::spawn(async move { core.verify(request(i)).await })
+            })
+            .collect();
+        let mut refused = false;
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if core.queue_depth() > 2 {
+                let error = core.admit(Some(Duration::from_nanos(1))).unwrap_err();
+                assert!(error.to_string().contains("deadline"), "{error}");
+                assert_eq!(tonic::Status::from(error).code(), tonic::Code::ResourceExhausted);
+                refused = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(refused, "the queue never built up");
+        core.admit(None).expect("no deadline, no refusal");
+        core.admit(Some(Duration::from_secs(600)))
+            .expect("a generous deadline is admitted");
+        for job in jobs {
+            job.await.unwrap().unwrap();
+        }
     }
 }

@@ -11,6 +11,8 @@ pub enum VerifierError {
     ContextTooLong { requested: usize, limit: usize },
     #[error("the verifier is at capacity; retry later or on another replica")]
     Overloaded,
+    #[error("the verifier is too busy for this deadline: {0}; retry later or on another replica")]
+    Busy(String),
     #[error("the verifier is not ready: {0}")]
     Unavailable(String),
     #[error("internal error: {0}")]
@@ -35,7 +37,7 @@ impl From<VerifierError> for Status {
         let code = match &e {
             VerifierError::InvalidArgument(_) => Code::InvalidArgument,
             VerifierError::ContextTooLong { .. } => Code::OutOfRange,
-            VerifierError::Overloaded => Code::ResourceExhausted,
+            VerifierError::Overloaded | VerifierError::Busy(_) => Code::ResourceExhausted,
             VerifierError::Unavailable(_) => Code::Unavailable,
             VerifierError::Internal(_) => Code::Internal,
         };

@@ -55,6 +55,7 @@ impl specd_proto::Verifier for VerifierService {
         request: Request<pb::VerifyRequest>,
     ) -> Result<Response<pb::VerifyResponse>, Status> {
         let core = self.core()?;
+        core.admit(grpc_deadline(request.metadata()))?;
         let response = core.verify(request.into_inner()).await?;
         let span = tracing::Span::current();
         span.record("bytes_sent", response.encoded_len());
@@ -97,5 +98,49 @@ fn observe(response: &pb::VerifyResponse, queue_depth: usize) {
     if context > 0 {
         metrics::histogram!("specd_verifier_prefix_reuse_ratio")
             .record(f64::from(response.reused_tokens) / f64::from(context));
+    }
+}
+
+/// The caller's deadline from the `grpc-timeout` header (e.g. `1500m`, `30S`).
+pub fn grpc_deadline(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (amount, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = amount.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse_in_every_unit() {
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        assert_eq!(grpc_deadline(&metadata), None);
+        for (text, millis) in [
+            ("2H", 7_200_000),
+            ("3M", 180_000),
+            ("30S", 30_000),
+            ("1500m", 1_500),
+            ("2000u", 2),
+        ] {
+            metadata.insert("grpc-timeout", text.parse().unwrap());
+            assert_eq!(
+                grpc_deadline(&metadata).map(|d| d.as_millis()),
+                Some(millis),
+                "{text}"
+            );
+        }
+        metadata.insert("grpc-timeout", "12x".parse().unwrap());
+        assert_eq!(grpc_deadline(&metadata), None);
     }
 }

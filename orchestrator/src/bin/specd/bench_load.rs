@@ -42,6 +42,10 @@ pub struct LoadBenchArgs {
     /// Where to write the JSON results.
     #[arg(long, default_value = "bench-out/load.json")]
     json_out: PathBuf,
+    /// The orchestrator's call deadline. Saturation is the point here: 64 prompts queued on
+    /// one single-threaded verifier take longer than the production default of 30 s.
+    #[arg(long, default_value_t = 300_000)]
+    call_deadline_ms: u64,
 }
 
 /// A child process killed when dropped.
@@ -258,10 +262,8 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
             "--no-auth".into(),
             "--max-concurrent-requests".into(),
             "1024".into(),
-            // Saturation is the point here: 64 prompts queued on one single-threaded verifier
-            // take longer than the default 30 s call deadline.
             "--call-deadline-ms".into(),
-            "300000".into(),
+            args.call_deadline_ms.to_string(),
         ];
         procs.push(spawn(
             &bin_dir,
