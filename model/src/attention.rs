@@ -4,21 +4,13 @@
 //! gives bit-identical results to decoding them one by one. Work items run on candle's
 //! thread pool.
 
+use crate::kernels::SendPtr;
+
 /// Shapes of one attention call.
 pub struct AttentionShape {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// `queries`: `[n_head][n][head_dim]` (rotated); `keys`/`values`: `[position][kv][head_dim]`

@@ -190,12 +190,14 @@ impl QuantMatrix {
     }
 }
 
+/// An output pointer handed to pool threads that each write disjoint parts of it (kernels
+/// write their own rows, attention its own (row, head) slices).
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+pub(crate) struct SendPtr(pub(crate) *mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 impl SendPtr {
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
