@@ -128,6 +128,25 @@ pub fn reflection() -> Result<
         .map_err(|e| e.to_string())
 }
 
+/// Runs a service binary's main future on a multi-threaded tokio runtime, with telemetry
+/// installed inside it (the OTLP exporter needs the runtime) and the last spans flushed
+/// when the future ends. Call it after whatever must happen before threads exist (setting
+/// the model's compute threads). The outer error is the runtime's or telemetry's.
+pub fn run_service<T>(
+    name: &str,
+    telemetry: &crate::telemetry::TelemetryArgs,
+    main: impl std::future::Future<Output = T>,
+) -> Result<T, String> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    runtime.block_on(async {
+        let _flush_on_drop = crate::telemetry::init(name, telemetry)?;
+        Ok(main.await)
+    })
+}
+
 /// Resolves when the process is asked to stop (SIGTERM or Ctrl-C).
 pub async fn shutdown_signal() {
     let ctrl_c = async {

@@ -46,15 +46,8 @@ struct Config {
 fn main() -> anyhow::Result<()> {
     let config = Config::parse();
     config.model.apply_threads();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(async {
-            // Kept until the service stops; dropping it flushes the last spans.
-            let _telemetry = specd_common::telemetry::init("drafter-svc", &config.telemetry)
-                .map_err(anyhow::Error::msg)?;
-            run(config).await
-        })
+    let telemetry = config.telemetry.clone();
+    specd_common::serve::run_service("drafter-svc", &telemetry, run(config)).map_err(anyhow::Error::msg)?
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {

@@ -114,9 +114,13 @@ struct Config {
     telemetry: TelemetryArgs,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let config = Config::parse();
+    let telemetry = config.telemetry.clone();
+    specd_common::serve::run_service("orchestrator", &telemetry, run(config)).map_err(anyhow::Error::msg)?
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
     let keys = match (&config.api_keys_file, config.no_auth) {
         (Some(path), _) => Some(Arc::new(KeyStore::open(path).map_err(anyhow::Error::msg)?)),
         (None, true) => None,
@@ -125,8 +129,6 @@ async fn main() -> anyhow::Result<()> {
              serve without authentication"
         ),
     };
-    let _telemetry =
-        specd_common::telemetry::init("orchestrator", &config.telemetry).map_err(anyhow::Error::msg)?;
     let grpc = GrpcServer::bind("specd.v1.Orchestrator", config.listen)
         .await
         .map_err(anyhow::Error::msg)?

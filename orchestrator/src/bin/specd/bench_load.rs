@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::Serialize;
 use specd_proto::v1 as pb;
-use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
 
 const WORKLOADS: &str = include_str!("workloads.json");
 
@@ -78,17 +76,10 @@ fn spawn(bin_dir: &Path, name: &str, port: u16, args: &[String], threads: usize)
 
 async fn wait_serving(url: &str) -> anyhow::Result<()> {
     let started = Instant::now();
+    let plain = specd_common::tls::TlsArgs::default();
     loop {
-        if let Ok(channel) = tonic::transport::Endpoint::from_shared(url.to_string())?
-            .connect()
-            .await
-            && let Ok(r) = HealthClient::new(channel)
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-            && r.get_ref().status == ServingStatus::Serving as i32
-        {
+        let status = crate::ops::health_status(url, "", &plain, Duration::from_secs(2)).await;
+        if status.is_ok_and(|s| s == ServingStatus::Serving as i32) {
             return Ok(());
         }
         anyhow::ensure!(

@@ -49,28 +49,38 @@ pub async fn connect(
 /// Exits 0 when the service reports SERVING, 1 otherwise.
 pub async fn health(args: HealthArgs) -> anyhow::Result<()> {
     let timeout = Duration::from_millis(args.timeout_ms);
-    let check = async {
-        let channel = connect(&args.url, &args.tls, timeout).await?;
-        let response = HealthClient::new(channel)
-            .check(HealthCheckRequest {
-                service: args.service.clone(),
-            })
-            .await?;
-        anyhow::Ok(response.into_inner().status)
-    };
-    let status = tokio::time::timeout(timeout, check)
-        .await
-        .with_context(|| format!("{} did not answer within {timeout:?}", args.url))??;
-    let serving = status == ServingStatus::Serving as i32;
+    let status = health_status(&args.url, &args.service, &args.tls, timeout).await?;
     println!(
         "{}: {}",
         args.url,
         ServingStatus::try_from(status).map_or("UNKNOWN", |s| s.as_str_name())
     );
-    if !serving {
+    if status != ServingStatus::Serving as i32 {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// The gRPC health status `url` reports for `service` ("" = the whole server), within
+/// `timeout`.
+pub async fn health_status(
+    url: &str,
+    service: &str,
+    tls: &TlsArgs,
+    timeout: Duration,
+) -> anyhow::Result<i32> {
+    let check = async {
+        let channel = connect(url, tls, timeout).await?;
+        let response = HealthClient::new(channel)
+            .check(HealthCheckRequest {
+                service: service.to_string(),
+            })
+            .await?;
+        anyhow::Ok(response.into_inner().status)
+    };
+    tokio::time::timeout(timeout, check)
+        .await
+        .with_context(|| format!("{url} did not answer within {timeout:?}"))?
 }
 
 #[derive(Debug, clap::Args)]
