@@ -116,6 +116,8 @@ pub struct Engine {
     waiting: Arc<AtomicUsize>,
     /// Recent seconds of engine time per job (an f64's bits), for wait estimates.
     seconds_per_job: Arc<AtomicU64>,
+    /// The model the engine thread runs, for its forward-pass profile.
+    llama: Arc<Llama>,
 }
 
 /// Everything loaded from one GGUF file.
@@ -202,6 +204,7 @@ pub fn load(path: &Path, options: EngineOptions) -> Result<LoadedModel> {
 
 impl Engine {
     fn spawn(llama: Llama, info: ModelInfo, options: &EngineOptions) -> Result<Self> {
+        let llama = Arc::new(llama);
         let (jobs, queue) = std::sync::mpsc::sync_channel(options.max_queue.max(1));
         let waiting = Arc::new(AtomicUsize::new(0));
         let seconds_per_job = Arc::new(AtomicU64::new(0f64.to_bits()));
@@ -209,7 +212,7 @@ impl Engine {
             waiting: waiting.clone(),
             seconds_per_job: seconds_per_job.clone(),
             cache: CacheStore::new(options.max_cache_bytes),
-            llama,
+            llama: llama.clone(),
             max_batch_tokens: options.max_batch_tokens.max(1),
             deferred: VecDeque::new(),
         };
@@ -222,7 +225,18 @@ impl Engine {
             info: Arc::new(info),
             waiting,
             seconds_per_job,
+            llama,
         })
+    }
+
+    /// Starts timing every forward pass by phase (see [`crate::host::ForwardProfile`]).
+    pub fn start_profile(&self) {
+        self.llama.start_profile();
+    }
+
+    /// The forward-pass profile since [`Engine::start_profile`]; stops profiling.
+    pub fn take_profile(&self) -> Option<crate::host::ForwardProfile> {
+        self.llama.take_profile()
     }
 
     pub fn info(&self) -> &ModelInfo {
@@ -286,7 +300,7 @@ impl Engine {
 struct Worker {
     waiting: Arc<AtomicUsize>,
     seconds_per_job: Arc<AtomicU64>,
-    llama: Llama,
+    llama: Arc<Llama>,
     cache: CacheStore,
     max_batch_tokens: usize,
     deferred: VecDeque<Job>,

@@ -1,89 +1,113 @@
-//! Quantized matmul kernels for the default model's formats: Q4_1 weights (against Q8_1
-//! activations) and Q8_0 weights (against Q8_0 activations), as llama.cpp computes them.
-//! Multi-row: each weight block is loaded and unpacked once for a tile of up to eight
-//! activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1 passes.
-//! AVX2 + FMA when the CPU has them (detected at run time), a portable version otherwise.
-//! Every output element is computed by the same code, over the same blocks, in the same order
-//! whatever the number of rows, so results are batch-invariant.
+//! Quantized matmul kernels for the CPU, computed as llama.cpp computes them: weights stay
+//! quantized, activations are quantised per 32-value block to int8, and each block's integer
+//! dot product is scaled in f32.
+//!
+//! Formats, repacked at load into two kernel families:
+//! - **4-bit** (`scale · q + min`, 16 bytes of nibbles per 32 values): Q4_0, Q4_1 and Q4_K
+//!   (each Q4_K sub-block of 32 becomes one block with its own f32 scale and minimum);
+//! - **8-bit** (`scale · q`): Q8_0.
+//!
+//! Implementations, chosen once at run time from the CPU's features (one binary runs on any
+//! x86-64 and uses the best it finds): AVX-512 VNNI (two blocks per instruction), AVX2 + FMA,
+//! and a portable version for everything else. Multi-row: each weight block is loaded and
+//! unpacked once for a tile of up to eight activation rows, which is what makes scoring K + 1
+//! tokens cheaper than K + 1 passes. Every output element is computed by the same code, over
+//! the same blocks, in the same order whatever the number of rows, so results are
+//! batch-invariant.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod portable;
+mod repack;
+
 /// Rows of activations processed against each unpacked weight block.
-const ROW_TILE: usize = 8;
+const ROW_TILE: usize = 4;
+/// Weight rows (output columns) processed together, for independent accumulators.
+const COL_TILE: usize = 4;
 const BLOCK: usize = 32;
 
+/// How a repacked matrix's blocks are stored, and so which kernel multiplies them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Q4_1,
-    Q8_0,
+pub enum Family {
+    /// `scale · q + min`, q in 0..16, two per byte (low nibbles: values 0..16 of the block).
+    Nibbles,
+    /// `scale · q`, q a signed byte.
+    Bytes,
 }
 
-/// A weight matrix `[n, k]` repacked for the kernels: scales (and Q4_1 minimums) as f32,
-/// quants contiguous per row.
+/// How blocks are laid out in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Row after row, block after block (the AVX2 and portable kernels).
+    Rows,
+    /// For the AVX-512 kernel: groups of [`COL_TILE`] rows (zero-padded), and within a group
+    /// each pair of blocks of all its rows together, so the kernel reads one sequential
+    /// stream. Per group and pair: the rows' quants (4-bit: 32 bytes per row, byte i holding
+    /// value i of the first block in its low nibble and of the second in its high nibble;
+    /// 8-bit: the two blocks' 64 bytes), then `[row][block]` f16 scales and minimums.
+    Groups,
+}
+
+/// A weight matrix `[n, k]` repacked for the kernels: per-block scales (and minimums) as f16
+/// bits, as GGUF stores them (the kernels are bound by how many bytes they read), quants
+/// contiguous per row.
 pub struct QuantMatrix {
-    format: Format,
+    family: Family,
+    layout: Layout,
+    source: GgmlDType,
     n: usize,
     k: usize,
-    scales: Vec<f32>,
-    mins: Vec<f32>,
+    scales: Vec<u16>,
+    mins: Vec<u16>,
     quants: Vec<u8>,
 }
 
-/// Activations quantised per 32-value block: scale, sum term (Q8_1 only) and int8 values.
+/// Activations quantised per 32-value block: scale, the scale times the block's sum (used
+/// by the minimum term of 4-bit formats) and the int8 values. Reusable: quantising into an
+/// existing value keeps its buffers.
+#[derive(Default)]
 pub struct QuantizedRows {
     m: usize,
+    k: usize,
     blocks: usize,
     scales: Vec<f32>,
     sums: Vec<f32>,
     quants: Vec<i8>,
 }
 
-fn read_f16(bytes: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+fn read_f16(bytes: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([bytes[at], bytes[at + 1]])
+}
+
+fn to_f32(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+fn to_f16(value: f32) -> u16 {
+    f16::from_f32(value).to_bits()
 }
 
 impl QuantMatrix {
-    /// Repacks a Q4_1 or Q8_0 tensor; `None` for other formats or shapes.
+    /// Repacks a Q4_0, Q4_1, Q4_K or Q8_0 tensor for this CPU's best kernel; `None` for
+    /// other formats or shapes.
     pub fn from_qtensor(tensor: &QTensor) -> Option<Self> {
-        let format = match tensor.dtype() {
-            GgmlDType::Q4_1 => Format::Q4_1,
-            GgmlDType::Q8_0 => Format::Q8_0,
-            _ => return None,
-        };
+        Self::from_qtensor_for(tensor, Kernel::detect())
+    }
+
+    /// Repacks a tensor in the layout `kernel` reads.
+    pub fn from_qtensor_for(tensor: &QTensor, kernel: Kernel) -> Option<Self> {
         let (n, k) = tensor.shape().dims2().ok()?;
-        if k % BLOCK != 0 {
-            return None;
-        }
         let data = tensor.data().ok()?;
-        let blocks = n * k / BLOCK;
-        let (block_bytes, quant_bytes) = match format {
-            Format::Q4_1 => (20, 16),
-            Format::Q8_0 => (34, 32),
-        };
-        if data.len() != blocks * block_bytes {
-            return None;
-        }
-        let mut scales = Vec::with_capacity(blocks);
-        let mut mins = Vec::new();
-        let mut quants = Vec::with_capacity(blocks * quant_bytes);
-        for block in data.chunks_exact(block_bytes) {
-            scales.push(read_f16(block, 0));
-            match format {
-                Format::Q4_1 => {
-                    mins.push(read_f16(block, 2));
-                    quants.extend_from_slice(&block[4..20]);
-                }
-                Format::Q8_0 => quants.extend_from_slice(&block[2..34]),
-            }
-        }
-        Some(Self {
-            format,
-            n,
-            k,
-            scales,
-            mins,
-            quants,
+        let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
+        Some(if kernel == Kernel::Avx512Vnni {
+            matrix.into_groups()
+        } else {
+            matrix
         })
     }
 
@@ -95,9 +119,26 @@ impl QuantMatrix {
         self.k
     }
 
-    /// Quantises `m` rows of `k` activations for this matrix's format.
+    /// The GGUF format the weights came in.
+    pub fn source_format(&self) -> GgmlDType {
+        self.source
+    }
+
+    /// Row `j` of the weights, dequantised (the embedding lookup of a tied embedding).
+    pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
+        for b in 0..self.k / BLOCK {
+            let (scale, min, values) = self.block(j, b);
+            for (d, v) in out[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(values) {
+                *d = to_f32(scale) * f32::from(v) + to_f32(min);
+            }
+        }
+    }
+
+    /// Quantises `m` rows of `k` activations (allocating; see [`QuantizedRows::quantize`]).
     pub fn quantize(&self, x: &[f32], m: usize) -> QuantizedRows {
-        quantize_rows(x, m, self.k, self.format == Format::Q4_1)
+        let mut rows = QuantizedRows::default();
+        rows.quantize(x, m, self.k);
+        rows
     }
 
     /// `x [m, k] · selfᵀ → [m, n]`, row-major.
@@ -107,85 +148,156 @@ impl QuantMatrix {
             .expect("one product per matrix")
     }
 
-    /// Whether `matmul_many` can take these matrices together (same format and width).
+    /// Whether `matmul_many` can take these matrices together (same width).
     pub fn compatible(matrices: &[&QuantMatrix]) -> bool {
-        matrices
-            .windows(2)
-            .all(|w| w[0].format == w[1].format && w[0].k == w[1].k)
+        matrices.windows(2).all(|w| w[0].k == w[1].k)
     }
 
-    /// The products of the same activations with several matrices (e.g. the Q, K and V
-    /// projections): the activations are quantised once and all the work is one pass over
-    /// the thread pool. Every element is computed exactly as `matmul` computes it.
+    /// The products of the same activations with several matrices (allocating).
     pub fn matmul_many(matrices: &[&QuantMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
-        assert!(
-            !matrices.is_empty() && Self::compatible(matrices),
-            "matrices must share format and width"
-        );
+        assert!(!matrices.is_empty(), "at least one matrix");
         let k = matrices[0].k;
         assert_eq!(x.len(), m * k, "activations must be [m, k]");
-        let rows = matrices[0].quantize(x, m);
-        let tiles = m.div_ceil(ROW_TILE);
+        let mut rows = QuantizedRows::default();
+        rows.quantize(x, m, k);
         let mut outs: Vec<Vec<f32>> = matrices.iter().map(|w| vec![0f32; m * w.n]).collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        Self::matmul_many_into(matrices, &rows, &mut slices, false);
+        outs
+    }
+
+    /// `outs[i] (=|+=) rows · matrices[i]ᵀ`, each `[m, n_i]` row-major: the activations are
+    /// quantised once by the caller and all the work is one pass over the thread pool. With
+    /// `accumulate`, products are added to what `outs` holds (a residual connection). Every
+    /// element is computed exactly as it would be alone.
+    pub fn matmul_many_into(
+        matrices: &[&QuantMatrix],
+        rows: &QuantizedRows,
+        outs: &mut [&mut [f32]],
+        accumulate: bool,
+    ) {
+        assert!(
+            !matrices.is_empty() && Self::compatible(matrices) && matrices.len() == outs.len(),
+            "one output per matrix, all of the same width"
+        );
+        let m = rows.m;
+        assert_eq!(
+            rows.k, matrices[0].k,
+            "activations must match the matrices' width"
+        );
+        for (w, out) in matrices.iter().zip(outs.iter()) {
+            assert_eq!(out.len(), m * w.n, "output must be [m, n]");
+        }
+        let tiles = m.div_ceil(ROW_TILE);
         let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
-        // Work items: (matrix, row tile, column), matrices one after another.
+        // Work items: (matrix, column group, row tile), matrices one after another and row
+        // tiles innermost, so a thread reuses a column group's weights while they are hot.
         let mut starts = Vec::with_capacity(matrices.len() + 1);
         let mut total = 0;
         for w in matrices {
             starts.push(total);
-            total += tiles * w.n;
+            total += tiles * w.n.div_ceil(COL_TILE);
         }
         starts.push(total);
         let kernel = Kernel::detect();
         candle_core::utils::barrier_pool().execute_chunked(total, |items| {
-            let mut tile_out = [0f32; ROW_TILE];
+            let mut tile_out = [0f32; COL_TILE * ROW_TILE];
             for item in items {
                 let which = starts.partition_point(|&s| s <= item) - 1;
                 let (w, local) = (matrices[which], item - starts[which]);
-                let (tile, j) = (local / w.n, local % w.n);
-                let r0 = tile * ROW_TILE;
-                let count = ROW_TILE.min(m - r0);
-                w.column(kernel, j, &rows, r0, count, &mut tile_out);
-                for (t, value) in tile_out[..count].iter().enumerate() {
-                    // SAFETY: each (matrix, row, column) is written by exactly one work item.
-                    unsafe { *ptrs[which].get().add((r0 + t) * w.n + j) = *value };
+                let (group, tile) = (local / tiles, local % tiles);
+                let (j0, r0) = (group * COL_TILE, tile * ROW_TILE);
+                let (cols, count) = (COL_TILE.min(w.n - j0), ROW_TILE.min(m - r0));
+                w.tile(kernel, j0, cols, rows, r0, count, &mut tile_out);
+                for c in 0..cols {
+                    for t in 0..count {
+                        let value = tile_out[c * ROW_TILE + t];
+                        // SAFETY: each (matrix, row, column) is written by exactly one work
+                        // item, and lies inside that matrix's output (sizes checked above).
+                        unsafe {
+                            let dst = ptrs[which].get().add((r0 + t) * w.n + j0 + c);
+                            *dst = if accumulate { *dst + value } else { value };
+                        }
+                    }
                 }
             }
         });
-        outs
     }
 
-    /// Dot products of weight row `j` with activation rows `r0..r0 + count`.
+    /// Dot products of weight rows `j0..j0 + cols` with activation rows `r0..r0 + count`
+    /// into `out[c * ROW_TILE + t]`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile(
+        &self,
+        kernel: Kernel,
+        j0: usize,
+        cols: usize,
+        x: &QuantizedRows,
+        r0: usize,
+        count: usize,
+        out: &mut [f32],
+    ) {
+        if self.layout == Layout::Groups {
+            assert!(
+                kernel == Kernel::Avx512Vnni && j0.is_multiple_of(COL_TILE),
+                "grouped weights need the AVX-512 kernel"
+            );
+            #[cfg(target_arch = "x86_64")]
+            {
+                macro_rules! rows {
+                    ($f:ident) => {
+                        // SAFETY: grouped weights exist only when the CPU has AVX-512 VNNI
+                        // (see `from_qtensor_for`); the kernel checks every bound it uses.
+                        unsafe {
+                            match count {
+                                4 => avx512::$f::<4>(self, j0 / COL_TILE, x, r0, out),
+                                3 => avx512::$f::<3>(self, j0 / COL_TILE, x, r0, out),
+                                2 => avx512::$f::<2>(self, j0 / COL_TILE, x, r0, out),
+                                _ => avx512::$f::<1>(self, j0 / COL_TILE, x, r0, out),
+                            }
+                        }
+                    };
+                }
+                match self.family {
+                    Family::Nibbles => rows!(q4_group),
+                    Family::Bytes => rows!(q8_group),
+                }
+            }
+            let _ = cols;
+            return;
+        }
+        let mut column = [0f32; ROW_TILE];
+        for c in 0..cols {
+            self.column(kernel, j0 + c, x, r0, count, &mut column);
+            out[c * ROW_TILE..c * ROW_TILE + count].copy_from_slice(&column[..count]);
+        }
+    }
+
+    /// Dot products of weight row `j` with activation rows `r0..r0 + count` (one weight row at
+    /// a time: the AVX2 and portable kernels).
     fn column(&self, kernel: Kernel, j: usize, x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
         let nb = self.k / BLOCK;
         let scales = &self.scales[j * nb..(j + 1) * nb];
-        match (self.format, kernel) {
-            #[cfg(target_arch = "x86_64")]
-            (Format::Q4_1, Kernel::Avx2) => unsafe {
-                avx2::q4_1(
-                    scales,
-                    &self.mins[j * nb..(j + 1) * nb],
-                    &self.quants[j * nb * 16..],
-                    x,
-                    r0,
-                    count,
-                    out,
-                )
-            },
-            #[cfg(target_arch = "x86_64")]
-            (Format::Q8_0, Kernel::Avx2) => unsafe {
-                avx2::q8_0(scales, &self.quants[j * nb * 32..], x, r0, count, out)
-            },
-            (Format::Q4_1, _) => portable::q4_1(
-                scales,
-                &self.mins[j * nb..(j + 1) * nb],
-                &self.quants[j * nb * 16..],
-                x,
-                r0,
-                count,
-                out,
-            ),
-            (Format::Q8_0, _) => portable::q8_0(scales, &self.quants[j * nb * 32..], x, r0, count, out),
+        match self.family {
+            Family::Nibbles => {
+                let mins = &self.mins[j * nb..(j + 1) * nb];
+                let quants = &self.quants[j * nb * 16..(j + 1) * nb * 16];
+                match kernel {
+                    // SAFETY: the kernel was detected on this CPU; slices hold `nb` blocks.
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 => unsafe { avx2::q4(scales, mins, quants, x, r0, count, out) },
+                    _ => portable::q4(scales, mins, quants, x, r0, count, out),
+                }
+            }
+            Family::Bytes => {
+                let quants = &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK];
+                match kernel {
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 => unsafe { avx2::q8(scales, quants, x, r0, count, out) },
+                    _ => portable::q8(scales, quants, x, r0, count, out),
+                }
+            }
         }
     }
 }
@@ -205,56 +317,56 @@ impl SendPtr {
 /// Which implementation runs, chosen once from the CPU's features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// 512-bit registers and `vpdpbusd` (AVX-512 F, BW, VL and VNNI).
+    Avx512Vnni,
+    /// 256-bit AVX2 with FMA.
     Avx2,
     Portable,
 }
 
 impl Kernel {
+    /// The best implementation this CPU runs (`SPECD_KERNEL=avx2|portable` caps it, to
+    /// compare implementations on one machine).
     pub fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                return Kernel::Avx2;
-            }
-            Kernel::Portable
+            let cap = std::env::var("SPECD_KERNEL").unwrap_or_default();
+            let available = Self::available();
+            available
+                .iter()
+                .copied()
+                .find(|k| match cap.as_str() {
+                    "avx2" => *k != Kernel::Avx512Vnni,
+                    "portable" => *k == Kernel::Portable,
+                    _ => true,
+                })
+                .unwrap_or(Kernel::Portable)
         })
     }
-}
 
-/// Per-block int8 quantisation as llama.cpp does it: scale = max|x| / 127 stored as f16,
-/// values rounded to nearest-even; Q8_1 also keeps scale · Σq (as f16) for the minimum term.
-fn quantize_rows(x: &[f32], m: usize, k: usize, with_sums: bool) -> QuantizedRows {
-    let blocks = k / BLOCK;
-    let mut scales = Vec::with_capacity(m * blocks);
-    let mut sums = Vec::with_capacity(if with_sums { m * blocks } else { 0 });
-    let mut quants = vec![0i8; m * k];
-    for (b, (chunk, q)) in x
-        .chunks_exact(BLOCK)
-        .zip(quants.chunks_exact_mut(BLOCK))
-        .enumerate()
-    {
-        let _ = b;
-        let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (dst, v) in q.iter_mut().zip(chunk) {
-            let r = (v * inv).round_ties_even() as i32;
-            *dst = r as i8;
-            sum += r;
+    /// Every implementation this CPU can run, best first.
+    pub fn available() -> Vec<Self> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                kernels.push(Kernel::Avx512Vnni);
+            }
+            if has!("avx2") && has!("fma") {
+                kernels.push(Kernel::Avx2);
+            }
         }
-        scales.push(f16::from_f32(d).to_f32());
-        if with_sums {
-            sums.push(f16::from_f32(d * sum as f32).to_f32());
-        }
+        kernels.push(Kernel::Portable);
+        kernels
     }
-    QuantizedRows {
-        m,
-        blocks,
-        scales,
-        sums,
-        quants,
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Avx512Vnni => "avx512-vnni",
+            Kernel::Avx2 => "avx2",
+            Kernel::Portable => "portable",
+        }
     }
 }
 
@@ -262,151 +374,41 @@ impl QuantizedRows {
     pub fn rows(&self) -> usize {
         self.m
     }
-}
 
-// Kernels walk several parallel arrays (scales, quants, rows) by block and row index.
-#[allow(clippy::needless_range_loop)]
-mod portable {
-    use super::{BLOCK, QuantizedRows};
-
-    pub fn q4_1(
-        scales: &[f32],
-        mins: &[f32],
-        quants: &[u8],
-        x: &QuantizedRows,
-        r0: usize,
-        count: usize,
-        out: &mut [f32],
-    ) {
-        let nb = x.blocks;
-        for t in 0..count {
-            let r = r0 + t;
-            let (mut acc, mut summ) = (0f32, 0f32);
-            for b in 0..nb {
-                let w = &quants[b * 16..b * 16 + 16];
-                let xq = &x.quants[(r * nb + b) * BLOCK..(r * nb + b + 1) * BLOCK];
-                let mut sumi = 0i32;
-                for i in 0..16 {
-                    sumi += i32::from(w[i] & 0x0F) * i32::from(xq[i]);
-                    sumi += i32::from(w[i] >> 4) * i32::from(xq[i + 16]);
-                }
-                acc += scales[b] * x.scales[r * nb + b] * sumi as f32;
-                summ += mins[b] * x.sums[r * nb + b];
+    /// Per-block int8 quantisation as llama.cpp does it: scale = max|x| / 127 stored as f16,
+    /// values rounded to nearest-even, and scale · Σq (as f16) for the minimum term. `x` is
+    /// `[m, k]`; `k` must be a multiple of 32. Reuses this value's buffers.
+    pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        assert!(
+            k.is_multiple_of(BLOCK) && x.len() == m * k,
+            "activations must be [m, k], k % 32 == 0"
+        );
+        let blocks = k / BLOCK;
+        self.m = m;
+        self.k = k;
+        self.blocks = blocks;
+        self.scales.clear();
+        self.sums.clear();
+        self.quants.clear();
+        self.quants.resize(m * k, 0);
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::detect() == Kernel::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 (detected); the buffers are sized above.
+            unsafe { avx512::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
+            return;
+        }
+        for (chunk, q) in x.chunks_exact(BLOCK).zip(self.quants.chunks_exact_mut(BLOCK)) {
+            let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (dst, v) in q.iter_mut().zip(chunk) {
+                let r = (v * inv).round_ties_even() as i32;
+                *dst = r as i8;
+                sum += r;
             }
-            out[t] = acc + summ;
-        }
-    }
-
-    pub fn q8_0(scales: &[f32], quants: &[u8], x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
-        let nb = x.blocks;
-        for t in 0..count {
-            let r = r0 + t;
-            let mut acc = 0f32;
-            for b in 0..nb {
-                let w = &quants[b * BLOCK..(b + 1) * BLOCK];
-                let xq = &x.quants[(r * nb + b) * BLOCK..(r * nb + b + 1) * BLOCK];
-                let sumi: i32 = w
-                    .iter()
-                    .zip(xq)
-                    .map(|(&a, &b)| i32::from(a as i8) * i32::from(b))
-                    .sum();
-                acc += scales[b] * x.scales[r * nb + b] * sumi as f32;
-            }
-            out[t] = acc;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{BLOCK, QuantizedRows, ROW_TILE};
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
-
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; slices must hold `x.blocks` blocks.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1(
-        scales: &[f32],
-        mins: &[f32],
-        quants: &[u8],
-        x: &QuantizedRows,
-        r0: usize,
-        count: usize,
-        out: &mut [f32],
-    ) {
-        let nb = x.blocks;
-        debug_assert!(count <= ROW_TILE && quants.len() >= nb * 16);
-        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-        let mut summ = [0f32; ROW_TILE];
-        let mask = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        for b in 0..nb {
-            // SAFETY: 16 bytes of this block's quants are in bounds (checked above).
-            let raw = unsafe { _mm_loadu_si128(quants.as_ptr().add(b * 16) as *const __m128i) };
-            let lo = _mm_and_si128(raw, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            let w = _mm256_set_m128i(hi, lo);
-            let (dw, mw) = (scales[b], mins[b]);
-            for t in 0..count {
-                let xb = (r0 + t) * nb + b;
-                // SAFETY: block xb of the activations has 32 int8 values.
-                let xq = unsafe { _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i) };
-                let products = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
-                let scale = _mm256_set1_ps(dw * x.scales[xb]);
-                acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(products), acc[t]);
-                summ[t] += mw * x.sums[xb];
-            }
-        }
-        for t in 0..count {
-            out[t] = hsum(acc[t]) + summ[t];
-        }
-    }
-
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; slices must hold `x.blocks` blocks.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_0(
-        scales: &[f32],
-        quants: &[u8],
-        x: &QuantizedRows,
-        r0: usize,
-        count: usize,
-        out: &mut [f32],
-    ) {
-        let nb = x.blocks;
-        debug_assert!(count <= ROW_TILE && quants.len() >= nb * BLOCK);
-        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-        let ones = _mm256_set1_epi16(1);
-        for b in 0..nb {
-            // SAFETY: 32 bytes of this block's quants are in bounds (checked above).
-            let w = unsafe { _mm256_loadu_si256(quants.as_ptr().add(b * BLOCK) as *const __m256i) };
-            let w_abs = _mm256_sign_epi8(w, w);
-            let dw = scales[b];
-            for t in 0..count {
-                let xb = (r0 + t) * nb + b;
-                // SAFETY: block xb of the activations has 32 int8 values.
-                let xq = unsafe { _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i) };
-                let x_signed = _mm256_sign_epi8(xq, w);
-                let products = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), ones);
-                let scale = _mm256_set1_ps(dw * x.scales[xb]);
-                acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(products), acc[t]);
-            }
-        }
-        for t in 0..count {
-            out[t] = hsum(acc[t]);
+            self.scales.push(f16::from_f32(d).to_f32());
+            self.sums.push(f16::from_f32(d * sum as f32).to_f32());
         }
     }
 }

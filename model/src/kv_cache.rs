@@ -15,7 +15,7 @@ use crate::error::{ModelError, Result};
 const INITIAL_CAPACITY: usize = 128;
 
 /// Keys and values of one layer.
-pub(crate) enum LayerCache {
+enum LayerCache {
     Host { keys: Vec<f32>, values: Vec<f32> },
     Device { keys: Tensor, values: Tensor },
 }
@@ -146,30 +146,52 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes keys `[1, n_head_kv, n, head_dim]` and values `[n, n_head_kv * head_dim]` of
-    /// layer `layer` at positions `start..start + n` and returns the layer's storage.
-    /// `reserve` must have been called for the new positions.
-    pub(crate) fn write_layer(
+    /// Writes keys and values `[n, n_head_kv * head_dim]` (keys rotated) of layer `layer`
+    /// of a host cache at positions `start..start + n`.
+    pub(crate) fn write_host(
         &mut self,
         layer: usize,
         start: usize,
-        keys: &Tensor,
-        values: &Tensor,
-    ) -> Result<&LayerCache> {
-        let n = values.dim(0)?;
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<()> {
         let floats = start * self.n_head_kv * self.head_dim;
         match &mut self.layers[layer] {
             LayerCache::Host { keys: k, values: v } => {
                 k.truncate(floats);
                 v.truncate(floats);
-                k.extend(
-                    keys.squeeze(0)?
-                        .transpose(0, 1)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?,
-                );
-                v.extend(values.flatten_all()?.to_vec1::<f32>()?);
+                k.extend_from_slice(keys);
+                v.extend_from_slice(values);
+                Ok(())
             }
+            LayerCache::Device { .. } => {
+                Err(ModelError::InvalidRequest("a device cache in a host pass".into()))
+            }
+        }
+    }
+
+    /// Keys and values of layer `layer` of a host cache.
+    pub(crate) fn host_layer(&self, layer: usize) -> Result<(&[f32], &[f32])> {
+        match &self.layers[layer] {
+            LayerCache::Host { keys, values } => Ok((keys, values)),
+            LayerCache::Device { .. } => {
+                Err(ModelError::InvalidRequest("a device cache in a host pass".into()))
+            }
+        }
+    }
+
+    /// Writes keys `[1, n_head_kv, n, head_dim]` and values `[n, n_head_kv * head_dim]` of
+    /// layer `layer` of a device cache at positions `start..start + n` and returns its
+    /// storage `[n_head_kv, capacity, head_dim]`. `reserve` must have been called first.
+    pub(crate) fn write_device(
+        &mut self,
+        layer: usize,
+        start: usize,
+        keys: &Tensor,
+        values: &Tensor,
+    ) -> Result<(&Tensor, &Tensor)> {
+        let n = values.dim(0)?;
+        match &mut self.layers[layer] {
             LayerCache::Device { keys: k, values: v } => {
                 let keys = keys.squeeze(0)?.contiguous()?;
                 let values = values
@@ -178,9 +200,12 @@ impl KvCache {
                     .contiguous()?;
                 k.slice_set(&keys, 1, start)?;
                 v.slice_set(&values, 1, start)?;
+                Ok((k, v))
+            }
+            LayerCache::Host { .. } => {
+                Err(ModelError::InvalidRequest("a host cache in a device pass".into()))
             }
         }
-        Ok(&self.layers[layer])
     }
 
     /// Records that `tokens` were appended (after every layer was written).

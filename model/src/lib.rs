@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+pub mod host;
 pub mod kernels;
 pub mod kv_cache;
 pub mod llama;

@@ -1,26 +1,28 @@
-//! The llama forward pass, built from candle ops and candle's quantized matmuls, with the KV
-//! cache passed in from outside. One call scores several sequences of different lengths:
-//! every weight matrix is multiplied once over the rows of all sequences, attention runs per
-//! sequence against its own cache, and logits are computed only at the requested positions.
+//! The llama model: weights loaded from a GGUF, and the forward pass with the KV cache passed
+//! in from outside. One call scores several sequences of different lengths: every weight
+//! matrix is multiplied once over the rows of all sequences, attention runs per sequence
+//! against its own cache, and logits are computed only at the requested positions. On the
+//! CPU the pass runs over plain buffers ([`crate::host`]); on other devices it is built from
+//! candle ops (below).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
 
-use crate::attention::{AttentionShape, attend};
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::host::Scratch;
 use crate::kernels::QuantMatrix;
-use crate::kv_cache::{KvCache, LayerCache};
+use crate::kv_cache::KvCache;
 
 /// A weight matrix whose product with a batch of rows gives each row exactly the result it
 /// would get alone. Q4_1 and Q8_0 weights on the CPU use our multi-row kernels
 /// ([`crate::kernels`]); other quantized formats use candle's kernels, which also work row by
 /// row; dense (f32/f16) weights go through a general matmul whose summation order depends on
 /// the batch shape, so they are applied one row at a time.
-enum Linear {
+pub(crate) enum Linear {
     Packed(QuantMatrix),
     Candle { inner: QMatMul, dense: bool },
 }
@@ -40,7 +42,7 @@ impl Linear {
         Ok(Self::Candle { inner, dense })
     }
 
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)?;
         match self {
             Self::Packed(matrix) => {
@@ -86,27 +88,36 @@ fn forward_group<const N: usize>(linears: [&Linear; N], x: &Tensor) -> candle_co
     Ok(tensors.try_into().expect("one output per linear"))
 }
 
-struct Block {
+pub(crate) struct Block {
     attn_norm: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    wo: Linear,
+    pub(crate) attn_norm_host: Vec<f32>,
+    pub(crate) wq: Linear,
+    pub(crate) wk: Linear,
+    pub(crate) wv: Linear,
+    pub(crate) wo: Linear,
     ffn_norm: Tensor,
-    w_gate: Linear,
-    w_up: Linear,
-    w_down: Linear,
+    pub(crate) ffn_norm_host: Vec<f32>,
+    pub(crate) w_gate: Linear,
+    pub(crate) w_up: Linear,
+    pub(crate) w_down: Linear,
 }
 
 /// A loaded llama model. Immutable: all per-sequence state is in [`KvCache`].
 pub struct Llama {
     cfg: LlamaConfig,
     token_embd: Arc<QTensor>,
-    blocks: Vec<Block>,
+    /// The LM head is the (packed) embedding matrix: embedding rows are read from it.
+    tied_packed: bool,
+    pub(crate) blocks: Vec<Block>,
     output_norm: Tensor,
-    lm_head: Linear,
+    pub(crate) output_norm_host: Vec<f32>,
+    pub(crate) lm_head: Linear,
     rope_cos: Tensor,
     rope_sin: Tensor,
+    /// `[position][rope_dim / 2]` tables for the host pass.
+    pub(crate) rope_cos_host: Vec<f32>,
+    pub(crate) rope_sin_host: Vec<f32>,
+    pub(crate) scratch: Mutex<Scratch>,
     device: Device,
 }
 
@@ -125,7 +136,8 @@ impl Llama {
         let (d, ff, hd) = (cfg.n_embd, cfg.n_ff, cfg.head_dim);
         let kv = cfg.n_head_kv * hd;
         let token_embd = Arc::new(file.tensor("token_embd.weight", Some(&[cfg.vocab_size, d]), device)?);
-        let lm_head = if file.has_tensor("output.weight") {
+        let tied = !file.has_tensor("output.weight");
+        let lm_head = if !tied {
             Linear::new(
                 file.tensor("output.weight", Some(&[cfg.vocab_size, d]), device)?,
                 device,
@@ -140,8 +152,16 @@ impl Llama {
         } else {
             Linear::from_qmatmul(QMatMul::from_arc(token_embd.clone())?)?
         };
+        let tied_packed = tied && matches!(lm_head, Linear::Packed(_));
         let vector = |file: &mut GgufFile, name: &str| -> Result<Tensor> {
             Ok(file.tensor(name, Some(&[d]), device)?.dequantize(device)?)
+        };
+        let host = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(if device.is_cpu() {
+                t.to_vec1::<f32>()?
+            } else {
+                Vec::new()
+            })
         };
         let mut blocks = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
@@ -157,9 +177,13 @@ impl Llama {
             let w_gate = matrix("ffn_gate", ff, d)?;
             let w_up = matrix("ffn_up", ff, d)?;
             let w_down = matrix("ffn_down", d, ff)?;
+            let attn_norm = vector(file, &format!("{p}.attn_norm.weight"))?;
+            let ffn_norm = vector(file, &format!("{p}.ffn_norm.weight"))?;
             blocks.push(Block {
-                attn_norm: vector(file, &format!("{p}.attn_norm.weight"))?,
-                ffn_norm: vector(file, &format!("{p}.ffn_norm.weight"))?,
+                attn_norm_host: host(&attn_norm)?,
+                ffn_norm_host: host(&ffn_norm)?,
+                attn_norm,
+                ffn_norm,
                 wq,
                 wk,
                 wv,
@@ -171,15 +195,27 @@ impl Llama {
         }
         let output_norm = vector(file, "output_norm.weight")?;
         let (rope_cos, rope_sin) = rope_tables(&cfg, device)?;
+        let flat = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(if device.is_cpu() {
+                t.flatten_all()?.to_vec1::<f32>()?
+            } else {
+                Vec::new()
+            })
+        };
         Ok(Self {
-            cfg,
             token_embd,
+            tied_packed,
             blocks,
+            output_norm_host: host(&output_norm)?,
             output_norm,
             lm_head,
+            rope_cos_host: flat(&rope_cos)?,
+            rope_sin_host: flat(&rope_sin)?,
             rope_cos,
             rope_sin,
+            scratch: Mutex::new(Scratch::default()),
             device: device.clone(),
+            cfg,
         })
     }
 
@@ -203,6 +239,38 @@ impl Llama {
         for step in steps.iter_mut() {
             step.cache.reserve(step.tokens.len())?;
         }
+        if !self.device.is_cpu() {
+            return self.forward_device(steps);
+        }
+        let logits = crate::host::forward(self, steps)?;
+        let vocab = self.cfg.vocab_size;
+        let wanted: usize = steps.iter().map(|s| s.logits_at.len()).sum();
+        let logits = Tensor::from_vec(logits, (wanted, vocab), &Device::Cpu)?;
+        let mut out = Vec::with_capacity(steps.len());
+        let mut start = 0;
+        for step in steps.iter_mut() {
+            step.cache.commit(step.tokens);
+            out.push(logits.narrow(0, start, step.logits_at.len())?);
+            start += step.logits_at.len();
+        }
+        Ok(out)
+    }
+
+    /// Embedding row of `token` into `out` (`n_embd` values).
+    pub(crate) fn embed(&self, token: u32, out: &mut [f32]) -> Result<()> {
+        match &self.lm_head {
+            Linear::Packed(matrix) if self.tied_packed => matrix.dequantize_row(token as usize, out),
+            _ => {
+                let ids = Tensor::new(&[token], &Device::Cpu)?;
+                let row = self.token_embd.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+                out.copy_from_slice(&row);
+            }
+        }
+        Ok(())
+    }
+
+    /// The forward pass from candle ops, for non-CPU devices.
+    fn forward_device(&self, steps: &mut [SequenceStep<'_>]) -> Result<Vec<Tensor>> {
         let all_tokens: Vec<u32> = steps.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut x = self.token_embd.embedding(&ids)?; // [T, d]
@@ -302,34 +370,21 @@ impl Llama {
             .transpose(1, 2)?
             .contiguous()?;
         let (q, k) = self.apply_rope(&q, &k, start, n)?;
-        match cache.write_layer(layer, start, &k, v)? {
-            LayerCache::Host { keys, values } => {
-                let shape = AttentionShape {
-                    n_head: cfg.n_head,
-                    n_head_kv: cfg.n_head_kv,
-                    head_dim: hd,
-                };
-                let queries = q.flatten_all()?.to_vec1::<f32>()?;
-                let out = attend(&shape, &queries, keys, values, start, n);
-                Ok(Tensor::from_vec(out, (n, cfg.n_head * hd), &self.device)?)
-            }
-            LayerCache::Device { keys, values } => {
-                // Query heads sharing a KV head are stacked so one matmul serves the group.
-                let q = q.reshape((cfg.n_head_kv, group, n, hd))?;
-                let scale = 1.0 / (hd as f64).sqrt();
-                let mut rows = Vec::with_capacity(n);
-                for i in 0..n {
-                    let visible = start + i + 1;
-                    let q_i = q.narrow(2, i, 1)?.reshape((cfg.n_head_kv, group, hd))?;
-                    let keys_t = keys.narrow(1, 0, visible)?.t()?; // [kv, hd, visible], no copy
-                    let scores = (q_i.matmul(&keys_t)? * scale)?; // [kv, group, visible]
-                    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-                    let out = probs.matmul(&values.narrow(1, 0, visible)?)?; // [kv, group, hd]
-                    rows.push(out.reshape((1, cfg.n_head * hd))?);
-                }
-                Ok(Tensor::cat(&rows, 0)?)
-            }
+        let (keys, values) = cache.write_device(layer, start, &k, v)?;
+        // Query heads sharing a KV head are stacked so one matmul serves the group.
+        let q = q.reshape((cfg.n_head_kv, group, n, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut rows = Vec::with_capacity(n);
+        for i in 0..n {
+            let visible = start + i + 1;
+            let q_i = q.narrow(2, i, 1)?.reshape((cfg.n_head_kv, group, hd))?;
+            let keys_t = keys.narrow(1, 0, visible)?.t()?; // [kv, hd, visible], no copy
+            let scores = (q_i.matmul(&keys_t)? * scale)?; // [kv, group, visible]
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            let out = probs.matmul(&values.narrow(1, 0, visible)?)?; // [kv, group, hd]
+            rows.push(out.reshape((1, cfg.n_head * hd))?);
         }
+        Ok(Tensor::cat(&rows, 0)?)
     }
 
     fn apply_rope(&self, q: &Tensor, k: &Tensor, start: usize, n: usize) -> Result<(Tensor, Tensor)> {

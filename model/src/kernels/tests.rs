@@ -13,9 +13,14 @@ fn random(len: usize, seed: u64) -> Vec<f32> {
 }
 
 fn matrix(format: GgmlDType, n: usize, k: usize, seed: u64) -> (QTensor, QuantMatrix) {
+    matrix_for(format, n, k, seed, Kernel::detect())
+}
+
+/// A random matrix repacked in the layout `kernel` reads.
+fn matrix_for(format: GgmlDType, n: usize, k: usize, seed: u64, kernel: Kernel) -> (QTensor, QuantMatrix) {
     let t = Tensor::from_vec(random(n * k, seed), (n, k), &Device::Cpu).unwrap();
     let q = QTensor::quantize(&t, format).unwrap();
-    let packed = QuantMatrix::from_qtensor(&q).expect("supported format");
+    let packed = QuantMatrix::from_qtensor_for(&q, kernel).expect("supported format");
     (q, packed)
 }
 
@@ -50,7 +55,7 @@ fn reference(q: &QTensor, packed: &QuantMatrix, x: &[f32], m: usize) -> (Vec<f64
     (out, mag)
 }
 
-const SHAPES: [(usize, usize, usize); 7] = [
+const SHAPES: [(usize, usize, usize); 8] = [
     (1, 1, 32),
     (1, 5, 64),
     (3, 7, 96),
@@ -58,47 +63,98 @@ const SHAPES: [(usize, usize, usize); 7] = [
     (9, 13, 608),
     (17, 4, 1536),
     (2, 37, 576),
+    (3, 5, 768),
 ];
 
+const FORMATS: [GgmlDType; 4] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q8_0];
+
+/// Shapes a format can take (K-quants need rows that are multiples of 256).
+fn shapes(format: GgmlDType) -> impl Iterator<Item = (usize, (usize, usize, usize))> {
+    let block = if format == GgmlDType::Q4K { 256 } else { 32 };
+    SHAPES
+        .into_iter()
+        .enumerate()
+        .filter(move |(_, (_, _, k))| k % block == 0)
+}
+
+/// The product computed column by column with one given implementation.
+fn matmul_with(kernel: Kernel, packed: &QuantMatrix, x: &[f32], m: usize) -> Vec<f32> {
+    let rows = packed.quantize(x, m);
+    let n = packed.rows();
+    let mut out = vec![0f32; m * n];
+    for r0 in (0..m).step_by(ROW_TILE) {
+        let count = ROW_TILE.min(m - r0);
+        for j0 in (0..n).step_by(COL_TILE) {
+            let cols = COL_TILE.min(n - j0);
+            let mut tile = [0f32; COL_TILE * ROW_TILE];
+            packed.tile(kernel, j0, cols, &rows, r0, count, &mut tile);
+            for c in 0..cols {
+                for t in 0..count {
+                    out[(r0 + t) * n + j0 + c] = tile[c * ROW_TILE + t];
+                }
+            }
+        }
+    }
+    out
+}
+
 #[test]
-fn kernels_match_the_reference_on_odd_shapes() {
-    for format in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
-        for (s, &(m, n, k)) in SHAPES.iter().enumerate() {
-            let (q, packed) = matrix(format, n, k, s as u64);
+fn every_kernel_matches_the_reference_on_odd_shapes() {
+    let kernels = Kernel::available();
+    for format in FORMATS {
+        for (s, (m, n, k)) in shapes(format) {
             let x = random(m * k, 100 + s as u64);
-            let got = packed.matmul(&x, m);
-            let (want, mag) = reference(&q, &packed, &x, m);
-            for i in 0..m * n {
-                // Q8_1's sum term travels as f16 (as in llama.cpp): ~1e-3 relative.
-                let bound = 2e-3 * mag[i] + 1e-4;
-                assert!(
-                    (got[i] as f64 - want[i]).abs() <= bound,
-                    "{format:?} m{m} n{n} k{k} [{i}]: {} vs {} (bound {bound})",
-                    got[i],
-                    want[i]
-                );
+            for &kernel in &kernels {
+                let (q, packed) = matrix_for(format, n, k, s as u64, kernel);
+                let (want, mag) = reference(&q, &packed, &x, m);
+                let got = matmul_with(kernel, &packed, &x, m);
+                for i in 0..m * n {
+                    // The sum term of 4-bit formats travels as f16 (as in llama.cpp): ~1e-3.
+                    let bound = 2e-3 * mag[i] + 1e-4;
+                    assert!(
+                        (got[i] as f64 - want[i]).abs() <= bound,
+                        "{format:?} {kernel:?} m{m} n{n} k{k} [{i}]: {} vs {} (bound {bound})",
+                        got[i],
+                        want[i]
+                    );
+                }
             }
         }
     }
 }
 
 #[test]
-fn portable_and_simd_kernels_agree() {
-    if Kernel::detect() != Kernel::Avx2 {
-        return; // only one implementation runs on this CPU; the reference test covers it
+fn the_pool_path_equals_the_detected_kernel() {
+    for format in FORMATS {
+        let (m, n, k) = (11, 19, 512);
+        let (_, packed) = matrix(format, n, k, 21);
+        let x = random(m * k, 22);
+        assert_eq!(
+            packed.matmul(&x, m),
+            matmul_with(Kernel::detect(), &packed, &x, m),
+            "{format:?}"
+        );
     }
-    for format in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
-        let (m, n, k) = (5, 11, 608);
-        let (_, packed) = matrix(format, n, k, 7);
-        let x = packed.quantize(&random(m * k, 8), m);
-        for j in 0..n {
-            let (mut simd, mut portable) = ([0f32; ROW_TILE], [0f32; ROW_TILE]);
-            packed.column(Kernel::Avx2, j, &x, 0, m, &mut simd);
-            packed.column(Kernel::Portable, j, &x, 0, m, &mut portable);
-            for t in 0..m {
+}
+
+#[test]
+fn every_kernel_agrees_with_the_portable_one() {
+    for format in FORMATS {
+        // 17 blocks: the 512-bit kernels' odd last block.
+        let (m, n, k) = (5, 11, 544);
+        if format == GgmlDType::Q4K {
+            continue; // K-quants cannot take 544 columns; the reference test covers them
+        }
+        let x = random(m * k, 8);
+        let (_, packed) = matrix_for(format, n, k, 7, Kernel::Portable);
+        let portable = matmul_with(Kernel::Portable, &packed, &x, m);
+        for kernel in Kernel::available() {
+            let (_, packed) = matrix_for(format, n, k, 7, kernel);
+            let simd = matmul_with(kernel, &packed, &x, m);
+            for (i, (a, b)) in simd.iter().zip(&portable).enumerate() {
                 assert!(
-                    (simd[t] - portable[t]).abs() <= 1e-4 * simd[t].abs().max(1.0),
-                    "{format:?} {j} {t}"
+                    (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+                    "{format:?} {kernel:?} [{i}]: {a} vs {b}"
                 );
             }
         }
@@ -107,8 +163,8 @@ fn portable_and_simd_kernels_agree() {
 
 #[test]
 fn results_are_batch_invariant() {
-    for format in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
-        let (m, n, k) = (13, 21, 576);
+    for format in FORMATS {
+        let (m, n, k) = (13, 21, 768);
         let (_, packed) = matrix(format, n, k, 3);
         let x = random(m * k, 4);
         let together = packed.matmul(&x, m);
@@ -124,20 +180,123 @@ fn results_are_batch_invariant() {
 }
 
 #[test]
+fn dequantized_rows_equal_candles_dequantization() {
+    for (format, kernel) in FORMATS
+        .into_iter()
+        .flat_map(|f| Kernel::available().into_iter().map(move |k| (f, k)))
+    {
+        let (n, k) = (5, 512);
+        let (q, packed) = matrix_for(format, n, k, 9, kernel);
+        let want = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut row = vec![0f32; k];
+        for j in 0..n {
+            packed.dequantize_row(j, &mut row);
+            // Q4_K's sub-block scales are rounded to f16 when repacked.
+            let bound = if format == GgmlDType::Q4K { 2e-3 } else { 1e-5 };
+            for (i, (a, b)) in row.iter().zip(&want[j * k..(j + 1) * k]).enumerate() {
+                assert!(
+                    (a - b).abs() <= bound * b.abs().max(1.0),
+                    "{format:?} row {j} [{i}]: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn other_formats_are_left_to_candle() {
-    let t = Tensor::from_vec(random(64, 1), (2, 32), &Device::Cpu).unwrap();
-    assert!(QuantMatrix::from_qtensor(&QTensor::quantize(&t, GgmlDType::Q4_0).unwrap()).is_none());
+    let t = Tensor::from_vec(random(512, 1), (2, 256), &Device::Cpu).unwrap();
+    for format in [GgmlDType::Q6K, GgmlDType::Q5_0, GgmlDType::F16] {
+        assert!(QuantMatrix::from_qtensor(&QTensor::quantize(&t, format).unwrap()).is_none());
+    }
 }
 
 #[test]
 fn several_matrices_at_once_equal_each_alone() {
     let (m, k) = (3, 576);
     let (_, a) = matrix(GgmlDType::Q4_1, 17, k, 5);
-    let (_, b) = matrix(GgmlDType::Q4_1, 9, k, 6);
+    let (_, b) = matrix(GgmlDType::Q8_0, 9, k, 6);
     let x = random(m * k, 7);
     let both = QuantMatrix::matmul_many(&[&a, &b], &x, m);
     assert_eq!(both[0], a.matmul(&x, m));
     assert_eq!(both[1], b.matmul(&x, m));
-    let (_, c) = matrix(GgmlDType::Q8_0, 9, k, 8);
+    let (_, c) = matrix(GgmlDType::Q8_0, 9, 608, 8);
     assert!(!QuantMatrix::compatible(&[&a, &c]));
+}
+
+#[test]
+fn accumulating_adds_to_the_output() {
+    let (m, n, k) = (4, 6, 256);
+    let (_, a) = matrix(GgmlDType::Q4_1, n, k, 11);
+    let x = random(m * k, 12);
+    let product = a.matmul(&x, m);
+    let mut out = random(m * n, 13);
+    let base = out.clone();
+    let rows = a.quantize(&x, m);
+    QuantMatrix::matmul_many_into(&[&a], &rows, &mut [out.as_mut_slice()], true);
+    for i in 0..m * n {
+        assert_eq!(out[i], base[i] + product[i]);
+    }
+}
+
+#[test]
+#[ignore]
+fn microbench_bandwidth() {
+    for (n, k, reps) in [
+        (192usize, 576usize, 2000usize),
+        (1536, 576, 300),
+        (49152, 576, 10),
+        (1536 * 30, 576, 10),
+    ] {
+        let (_, packed) = matrix(GgmlDType::Q4_1, n, k, 1);
+        let x = random(k, 2);
+        let rows = packed.quantize(&x, 1);
+        let mut out = vec![0f32; n];
+        let started = std::time::Instant::now();
+        for _ in 0..reps {
+            QuantMatrix::matmul_many_into(&[&packed], &rows, &mut [out.as_mut_slice()], false);
+        }
+        let s = started.elapsed().as_secs_f64() / reps as f64;
+        let bytes = (n * k / 32 * 20) as f64;
+        eprintln!("n{n} k{k}: {:.1} us, {:.1} GB/s", s * 1e6, bytes / s / 1e9);
+    }
+}
+
+#[test]
+fn every_quantiser_gives_the_portable_result() {
+    let k = 576;
+    let mut x = random(3 * k, 31);
+    // Ties, zeros and an all-zero block.
+    x[5] = 0.5;
+    x[6] = -0.0;
+    for v in &mut x[k..k + 32] {
+        *v = 0.0;
+    }
+    let mut fast = QuantizedRows::default();
+    fast.quantize(&x, 3, k);
+    let blocks = 3 * k / BLOCK;
+    let (mut scales, mut sums, mut quants) = (Vec::new(), Vec::new(), vec![0i8; 3 * k]);
+    for (chunk, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
+        let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (dst, v) in q.iter_mut().zip(chunk) {
+            let r = (v * inv).round_ties_even() as i32;
+            *dst = r as i8;
+            sum += r;
+        }
+        scales.push(to_f32(to_f16(d)));
+        sums.push(to_f32(to_f16(d * sum as f32)));
+    }
+    assert_eq!(fast.scales.len(), blocks);
+    assert_eq!(fast.scales, scales);
+    assert_eq!(fast.sums, sums);
+    assert_eq!(fast.quants, quants);
 }

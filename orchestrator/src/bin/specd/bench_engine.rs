@@ -26,6 +26,9 @@ pub struct EngineBenchArgs {
     /// Write the results as JSON here too.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// Also print where a forward pass's time goes, by phase.
+    #[arg(long)]
+    profile: bool,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -180,10 +183,21 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         Some(bin) => Some(measure_llama_cpp(bin, &path, threads, &args)?),
         None => None,
     };
+    let profile = if args.profile {
+        Some(crate::bench_profile::measure(&loaded.engine)?)
+    } else {
+        None
+    };
     print_table(&ours, theirs.as_ref());
+    println!("kernels: {}", specd_model::kernels::Kernel::detect().name());
+    if let Some(profile) = &profile {
+        crate::bench_profile::print(profile);
+    }
     if let Some(out) = &args.json_out {
-        let json =
-            serde_json::json!({ "model": path, "threads": threads, "specd": ours, "llama_cpp": theirs });
+        let json = serde_json::json!({
+            "model": path, "threads": threads, "kernels": specd_model::kernels::Kernel::detect().name(),
+            "specd": ours, "llama_cpp": theirs, "profile": profile,
+        });
         std::fs::write(out, serde_json::to_string_pretty(&json)?)?;
     }
     Ok(())

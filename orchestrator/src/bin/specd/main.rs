@@ -6,6 +6,7 @@
 
 mod bench_engine;
 mod bench_load;
+mod bench_profile;
 mod bench_spec;
 mod generate;
 mod ops;

@@ -1,0 +1,111 @@
+//! `specd bench engine --profile`: where a forward pass's time goes, by phase (matmuls by
+//! kind, attention, LM head, element-wise ops, activation quantisation), for one-token
+//! decode and for scoring 8 tokens at once, plus the thread pool's fixed cost per dispatch
+//! times the dispatches a pass makes. The phases are timed inside the model's own pass, so
+//! they add up to (nearly) the whole pass.
+
+use specd_model::host::{ForwardProfile, Phase, pool_dispatch_seconds};
+use specd_model::{Engine, ScoreRequest};
+
+/// Passes profiled per shape.
+const PASSES: usize = 40;
+const DEPTH: usize = 64;
+
+#[derive(Debug, serde::Serialize)]
+pub struct PhaseRow {
+    phase: &'static str,
+    /// Milliseconds per pass, for n = 1 and n = 8.
+    decode_ms: f64,
+    score8_ms: f64,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct Profile {
+    rows: Vec<PhaseRow>,
+    decode_total_ms: f64,
+    score8_total_ms: f64,
+    dispatches_per_pass: f64,
+    dispatch_us: f64,
+}
+
+fn profile_passes(engine: &Engine, n: usize, vocab: usize) -> anyhow::Result<ForwardProfile> {
+    let base: Vec<u32> = (0..DEPTH + n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let sequence = format!("profile-{n}");
+    engine.score_blocking(ScoreRequest {
+        sequence: sequence.clone(),
+        context: base[..DEPTH].to_vec(),
+        logits_from: DEPTH - 1,
+    })?;
+    engine.start_profile();
+    for _ in 0..PASSES {
+        // The cache holds DEPTH tokens after each pass is rolled back, so every pass scores
+        // the same n tokens at the same depth.
+        engine.score_blocking(ScoreRequest {
+            sequence: sequence.clone(),
+            context: base.clone(),
+            logits_from: DEPTH,
+        })?;
+        engine
+            .score_blocking(ScoreRequest {
+                sequence: sequence.clone(),
+                context: base[..DEPTH].to_vec(),
+                logits_from: DEPTH - 1,
+            })
+            .ok();
+    }
+    let profile = engine.take_profile().unwrap_or_default();
+    engine.release(&sequence);
+    Ok(profile)
+}
+
+pub fn measure(engine: &Engine) -> anyhow::Result<Profile> {
+    let vocab = engine.info().vocab_size;
+    let decode = profile_passes(engine, 1, vocab)?;
+    let score8 = profile_passes(engine, 8, vocab)?;
+    anyhow::ensure!(decode.passes > 0 && score8.passes > 0, "no pass was profiled");
+    // Only the passes that scored n tokens count: the roll-back requests re-score nothing
+    // (their context is cached), so they make no pass.
+    let per = |p: &ForwardProfile, phase: Phase| p.phase(phase) * 1e3 / p.passes as f64;
+    let rows = Phase::ALL
+        .iter()
+        .map(|&phase| PhaseRow {
+            phase: phase.name(),
+            decode_ms: per(&decode, phase),
+            score8_ms: per(&score8, phase),
+        })
+        .collect();
+    Ok(Profile {
+        rows,
+        decode_total_ms: decode.total_seconds * 1e3 / decode.passes as f64,
+        score8_total_ms: score8.total_seconds * 1e3 / score8.passes as f64,
+        dispatches_per_pass: decode.pool_dispatches as f64 / decode.passes as f64,
+        dispatch_us: pool_dispatch_seconds() * 1e6,
+    })
+}
+
+pub fn print(profile: &Profile) {
+    println!();
+    println!(
+        "{:<26} {:>18} {:>18}",
+        "phase (ms per pass)", "decode (n=1)", "score n=8"
+    );
+    let pct = |v: f64, total: f64| format!("{v:.3} ({:>4.1}%)", 100.0 * v / total);
+    for row in &profile.rows {
+        println!(
+            "{:<26} {:>18} {:>18}",
+            row.phase,
+            pct(row.decode_ms, profile.decode_total_ms),
+            pct(row.score8_ms, profile.score8_total_ms)
+        );
+    }
+    println!(
+        "{:<26} {:>18.3} {:>18.3}",
+        "whole pass", profile.decode_total_ms, profile.score8_total_ms
+    );
+    println!(
+        "thread pool: {:.0} dispatches per pass × {:.1} µs empty dispatch = {:.3} ms per pass",
+        profile.dispatches_per_pass,
+        profile.dispatch_us,
+        profile.dispatches_per_pass * profile.dispatch_us / 1e3
+    );
+}
