@@ -40,7 +40,6 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
         queries.len() == rows * nh * hd && out.len() == rows * nh * hd,
         "queries and output must be [rows, n_head * head_dim]"
     );
-    out.fill(0.0);
     let out_ptr = SendPtr(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows * nh, |items| {
         let mut scores = Vec::new();
@@ -52,32 +51,146 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
             let kv = h / group;
             let visible = seq.start + i + 1;
             let q = &queries[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..visible {
-                let k = &seq.keys[(j * nkv + kv) * hd..(j * nkv + kv + 1) * hd];
-                let s = dot(q, k) * scale;
-                max = max.max(s);
-                scores.push(s);
-            }
-            let mut total = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                total += *s;
-            }
-            let inv = 1.0 / total;
             // SAFETY: each (row, head) item owns its own head_dim slice of the output, which
             // lies inside `out` (size checked above).
             let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((row * nh + h) * hd), hd) };
-            for (j, &p) in scores.iter().enumerate() {
-                let v = &seq.values[(j * nkv + kv) * hd..(j * nkv + kv + 1) * hd];
-                let w = p * inv;
-                for (d, &x) in dst.iter_mut().zip(v) {
-                    *d += w * x;
-                }
-            }
+            let head = Head {
+                keys: seq.keys,
+                values: seq.values,
+                stride: nkv * hd,
+                offset: kv * hd,
+                visible,
+                scale,
+            };
+            head.attend(q, &mut scores, dst);
         }
     });
+}
+
+/// One query row of one head against the keys and values of its KV head.
+struct Head<'a> {
+    keys: &'a [f32],
+    values: &'a [f32],
+    /// Floats between positions, and this KV head's offset within a position.
+    stride: usize,
+    offset: usize,
+    visible: usize,
+    scale: f32,
+}
+
+impl Head<'_> {
+    fn attend(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
+        assert!(
+            self.visible * self.stride <= self.keys.len().min(self.values.len())
+                && self.offset + q.len() <= self.stride
+        );
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni {
+            // SAFETY: the CPU has AVX-512 (detected); bounds are checked above.
+            match q.len() {
+                64 => return unsafe { self.attend_avx512::<4>(q, scores, dst) },
+                128 => return unsafe { self.attend_avx512::<8>(q, scores, dst) },
+                _ => {}
+            }
+        }
+        self.attend_portable(q, scores, dst);
+    }
+
+    fn key(&self, j: usize, hd: usize) -> &[f32] {
+        &self.keys[j * self.stride + self.offset..][..hd]
+    }
+
+    fn value(&self, j: usize, hd: usize) -> &[f32] {
+        &self.values[j * self.stride + self.offset..][..hd]
+    }
+
+    fn attend_portable(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
+        let hd = q.len();
+        scores.clear();
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..self.visible {
+            let s = dot(q, self.key(j, hd)) * self.scale;
+            max = max.max(s);
+            scores.push(s);
+        }
+        for s in scores.iter_mut() {
+            *s = exp(*s - max);
+        }
+        let inv = 1.0 / scores.iter().sum::<f32>();
+        dst.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            let w = p * inv;
+            for (d, &x) in dst.iter_mut().zip(self.value(j, hd)) {
+                *d += w * x;
+            }
+        }
+    }
+
+    /// The same with the head (`CH` × 16 floats) in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `q.len() == 16 · CH` and the bounds checked in `attend`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,fma")]
+    #[allow(clippy::needless_range_loop)] // registers indexed in lockstep with memory chunks
+    unsafe fn attend_avx512<const CH: usize>(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
+        use std::arch::x86_64::*;
+        assert!(q.len() == 16 * CH && dst.len() == 16 * CH);
+        let mut qr = [_mm512_setzero_ps(); CH];
+        for c in 0..CH {
+            // SAFETY: q holds 16 · CH floats.
+            qr[c] = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
+        }
+        scores.clear();
+        scores.resize(self.visible, 0.0);
+        let mut max = f32::NEG_INFINITY;
+        for (j, score) in scores.iter_mut().enumerate() {
+            // SAFETY: position j < visible of this KV head is in bounds (checked in attend).
+            let k = unsafe { self.keys.as_ptr().add(j * self.stride + self.offset) };
+            let mut acc = _mm512_setzero_ps();
+            for c in 0..CH {
+                acc = _mm512_fmadd_ps(qr[c], unsafe { _mm512_loadu_ps(k.add(16 * c)) }, acc);
+            }
+            *score = _mm512_reduce_add_ps(acc) * self.scale;
+            max = max.max(*score);
+        }
+        for s in scores.iter_mut() {
+            *s = exp(*s - max);
+        }
+        let inv = 1.0 / scores.iter().sum::<f32>();
+        let mut out = [_mm512_setzero_ps(); CH];
+        for (j, &p) in scores.iter().enumerate() {
+            let w = _mm512_set1_ps(p * inv);
+            // SAFETY: as above.
+            let v = unsafe { self.values.as_ptr().add(j * self.stride + self.offset) };
+            for c in 0..CH {
+                out[c] = _mm512_fmadd_ps(w, unsafe { _mm512_loadu_ps(v.add(16 * c)) }, out[c]);
+            }
+        }
+        for c in 0..CH {
+            // SAFETY: dst holds 16 · CH floats.
+            unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), out[c]) };
+        }
+    }
+}
+
+/// `eˣ` as a branch-free polynomial that vectorises over a slice (within 2 ulp of `f32::exp`;
+/// inputs are clamped to ±87).
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so n · ln 2 is subtracted without rounding error.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-87.0, 87.0);
+    let n = (x * LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    // e^r on |r| <= ln2 / 2, Taylor to r^7 (error < 1e-8 relative).
+    let mut p: f32 = 1.0 / 5040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p.mul_add(r, c);
+    }
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// A dot product with eight independent accumulators (vectorises; fixed summation order).
@@ -94,4 +207,49 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         tail += a[i] * b[i];
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Head;
+
+    #[test]
+    fn the_simd_head_matches_the_portable_one() {
+        for hd in [64usize, 128, 48] {
+            let (nkv, visible) = (3, 37);
+            let values: Vec<f32> = (0..visible * nkv * hd)
+                .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            let keys: Vec<f32> = (0..visible * nkv * hd)
+                .map(|i| ((i * 104_729) % 97) as f32 / 48.0 - 1.0)
+                .collect();
+            let q: Vec<f32> = (0..hd).map(|i| ((i * 31) % 23) as f32 / 11.0 - 1.0).collect();
+            let head = Head {
+                keys: &keys,
+                values: &values,
+                stride: nkv * hd,
+                offset: hd,
+                visible,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let (mut fast, mut plain, mut scores) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
+            head.attend(&q, &mut scores, &mut fast);
+            head.attend_portable(&q, &mut scores, &mut plain);
+            for (a, b) in fast.iter().zip(&plain) {
+                assert!((a - b).abs() <= 1e-5, "hd {hd}: {a} vs {b}");
+            }
+        }
+    }
+    #[test]
+    fn exp_is_within_two_ulp_of_std() {
+        let mut x = -87.0f32;
+        while x <= 87.0 {
+            let (ours, std) = (super::exp(x), x.exp());
+            let ulps = (ours.to_bits() as i64 - std.to_bits() as i64).abs();
+            assert!(ulps <= 2, "exp({x}) = {ours}, std {std} ({ulps} ulp)");
+            x += 0.0137;
+        }
+        assert_eq!(super::exp(0.0), 1.0);
+        assert!(super::exp(-1000.0) < 1e-37 && super::exp(1000.0).is_finite());
+    }
 }

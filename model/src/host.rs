@@ -168,7 +168,7 @@ fn rotate(row: &mut [f32], head_dim: usize, rope_dim: usize, cos: &[f32], sin: &
 /// `gate = silu(gate) · up`.
 fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + crate::attention::exp(-*g)) * u;
     }
 }
 

@@ -130,31 +130,20 @@ fn measure_llama_cpp(
 ) -> anyhow::Result<Figures> {
     let sizes: Vec<String> = PASS_SIZES.iter().map(|n| n.to_string()).collect();
     let run = |prompts: &str, depth: usize, generate: usize| -> anyhow::Result<Vec<LlamaBenchRow>> {
-        let output = Command::new(bin.join("llama-bench"))
-            .env("LD_LIBRARY_PATH", bin)
-            .args([
-                "-m",
-                &model.to_string_lossy(),
-                "-t",
-                &threads.to_string(),
-                "-p",
-                prompts,
-            ])
-            .args(["-n", &generate.to_string(), "-d", &depth.to_string()])
-            .args(["-r", &args.repetitions.max(1).to_string(), "-o", "json"])
-            .output()
-            .with_context(|| format!("cannot run {}", bin.join("llama-bench").display()))?;
-        anyhow::ensure!(
-            output.status.success(),
-            "llama-bench failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(serde_json::from_slice(&output.stdout)?)
+        let rows = run_llama_bench(bin, model, threads, args, prompts, depth, generate, &[]);
+        if rows.is_ok() || prompts == "0" {
+            return rows;
+        }
+        // On some CPUs llama.cpp's repacked weight layout crashes on multi-token batches
+        // (seen on an AVX-512 + AMX machine); measure those without it and say so.
+        eprintln!("llama-bench failed on prompt sizes {prompts}; measuring them with --repack 0");
+        run_llama_bench(bin, model, threads, args, prompts, depth, 0, &["--repack", "0"])
     };
     let passes = run(&sizes.join(","), DEPTH, 0)?;
-    let pp = run(&PROMPT.to_string(), 0, args.decode_tokens)?;
+    let decode = run("0", 0, args.decode_tokens)?;
+    let pp = run(&PROMPT.to_string(), 0, 0)?;
     Ok(Figures {
-        decode_tok_s: pp.iter().find(|r| r.n_gen > 0).map_or(0.0, |r| r.avg_ts),
+        decode_tok_s: decode.iter().find(|r| r.n_gen > 0).map_or(0.0, |r| r.avg_ts),
         prompt64_tok_s: pp.iter().find(|r| r.n_prompt == PROMPT).map_or(0.0, |r| r.avg_ts),
         pass_seconds: passes
             .iter()
@@ -162,6 +151,40 @@ fn measure_llama_cpp(
             .map(|r| (r.n_prompt, r.avg_ns * 1e-9))
             .collect(),
     })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_llama_bench(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    threads: usize,
+    args: &EngineBenchArgs,
+    prompts: &str,
+    depth: usize,
+    generate: usize,
+    extra: &[&str],
+) -> anyhow::Result<Vec<LlamaBenchRow>> {
+    let output = Command::new(bin.join("llama-bench"))
+        .env("LD_LIBRARY_PATH", bin)
+        .args([
+            "-m",
+            &model.to_string_lossy(),
+            "-t",
+            &threads.to_string(),
+            "-p",
+            prompts,
+        ])
+        .args(["-n", &generate.to_string(), "-d", &depth.to_string()])
+        .args(["-r", &args.repetitions.max(1).to_string(), "-o", "json"])
+        .args(extra)
+        .output()
+        .with_context(|| format!("cannot run {}", bin.join("llama-bench").display()))?;
+    anyhow::ensure!(
+        output.status.success(),
+        "llama-bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(serde_json::from_slice(&output.stdout)?)
 }
 
 pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
