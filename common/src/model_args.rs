@@ -26,6 +26,13 @@ pub struct ModelArgs {
     /// Scoring jobs that may wait for the model; more are refused at once (overload).
     #[arg(long, env = "SPECD_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
+    /// Most prompt tokens of one sequence computed per forward pass (0: no limit); longer
+    /// prompts take several passes, shared with other sessions' decode steps.
+    #[arg(long, env = "SPECD_PREFILL_CHUNK", default_value_t = 64)]
+    pub prefill_chunk: usize,
+    /// Microseconds a forward pass may wait for more jobs to batch once one is ready.
+    #[arg(long, env = "SPECD_BATCH_WAIT_US", default_value_t = 0)]
+    pub batch_wait_us: u64,
 }
 
 impl ModelArgs {
@@ -48,6 +55,8 @@ impl ModelArgs {
             max_cache_bytes: self.max_cache_mb << 20,
             max_batch_tokens: self.max_batch_tokens,
             max_queue: self.max_queue,
+            prefill_chunk: self.prefill_chunk,
+            batch_wait: std::time::Duration::from_micros(self.batch_wait_us),
         }
     }
 

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -36,6 +36,13 @@ pub struct EngineOptions {
     pub max_batch_tokens: usize,
     /// Jobs that may wait for the engine; more are refused with `Overloaded`.
     pub max_queue: usize,
+    /// Most prompt tokens (tokens that need no logits) computed per pass, over all sequences
+    /// (0: no limit). Decode and verify steps always join the next pass; long prompts are
+    /// computed a chunk per pass beside them, so a new prompt does not stall every running
+    /// session for its whole prefill.
+    pub prefill_chunk: usize,
+    /// How long a pass may wait for more jobs to batch once one is ready (zero: start at once).
+    pub batch_wait: std::time::Duration,
 }
 
 impl Default for EngineOptions {
@@ -45,6 +52,8 @@ impl Default for EngineOptions {
             max_cache_bytes: 1 << 30,
             max_batch_tokens: 512,
             max_queue: 256,
+            prefill_chunk: 64,
+            batch_wait: std::time::Duration::ZERO,
         }
     }
 }
@@ -101,6 +110,8 @@ enum Job {
         request: ScoreRequest,
         reply: oneshot::Sender<Result<Scores>>,
         queued_at: Instant,
+        /// Prompt tokens earlier passes computed for this job (chunked prefill).
+        prefilled: usize,
     },
     Release {
         sequence: String,
@@ -214,6 +225,8 @@ impl Engine {
             cache: CacheStore::new(options.max_cache_bytes),
             llama: llama.clone(),
             max_batch_tokens: options.max_batch_tokens.max(1),
+            prefill_chunk: options.prefill_chunk,
+            batch_wait: options.batch_wait,
             deferred: VecDeque::new(),
         };
         std::thread::Builder::new()
@@ -261,6 +274,7 @@ impl Engine {
             request,
             reply,
             queued_at: Instant::now(),
+            prefilled: 0,
         };
         self.waiting.fetch_add(1, Ordering::Relaxed);
         match self.jobs.try_send(job) {
@@ -303,7 +317,17 @@ struct Worker {
     llama: Arc<Llama>,
     cache: CacheStore,
     max_batch_tokens: usize,
+    prefill_chunk: usize,
+    batch_wait: std::time::Duration,
+    /// Jobs taken from the queue that run in a later pass (a chunked prompt's rest, or a
+    /// second job for a sequence already in the pass), oldest first.
     deferred: VecDeque<Job>,
+}
+
+/// What the pass being formed has taken: tokens in all, and prompt tokens it may still take.
+struct Budget {
+    total: usize,
+    prefill_left: usize,
 }
 
 /// A validated job, ready to run: its cache, the tokens to append and where logits are due.
@@ -315,12 +339,18 @@ struct Planned {
     reused: usize,
     reply: oneshot::Sender<Result<Scores>>,
     queued_at: Instant,
+    prefilled: usize,
+    /// Set when this pass computes only a chunk of the prompt: the job, to resume.
+    resume: Option<ScoreRequest>,
 }
 
 impl Worker {
     fn run(mut self, queue: Receiver<Job>) {
         loop {
-            let first = match self.deferred.pop_front() {
+            // Jobs carried from earlier passes go first; each is looked at once per pass, so
+            // one that cannot join this pass waits for the next instead of spinning here.
+            let mut carried = std::mem::take(&mut self.deferred);
+            let first = match carried.pop_front() {
                 Some(job) => job,
                 None => match queue.recv() {
                     Ok(job) => self.took(job),
@@ -328,17 +358,39 @@ impl Worker {
                 },
             };
             let mut batch = Vec::new();
-            let mut tokens = 0;
+            let mut tokens = Budget {
+                total: 0,
+                prefill_left: if self.prefill_chunk == 0 {
+                    usize::MAX
+                } else {
+                    self.prefill_chunk
+                },
+            };
             self.admit(first, &mut batch, &mut tokens);
-            while tokens < self.max_batch_tokens {
-                let next = match self.deferred.pop_front() {
+            let deadline = Instant::now() + self.batch_wait;
+            while tokens.total < self.max_batch_tokens {
+                let next = match carried.pop_front() {
                     Some(job) => job,
                     None => match queue.try_recv() {
                         Ok(job) => self.took(job),
-                        Err(_) => break,
+                        Err(TryRecvError::Disconnected) => break,
+                        Err(TryRecvError::Empty) => {
+                            let now = Instant::now();
+                            if now >= deadline {
+                                break;
+                            }
+                            match queue.recv_timeout(deadline - now) {
+                                Ok(job) => self.took(job),
+                                Err(_) => break,
+                            }
+                        }
                     },
                 };
                 self.admit(next, &mut batch, &mut tokens);
+            }
+            // Carried jobs that did not fit are older than anything deferred in this pass.
+            while let Some(job) = carried.pop_back() {
+                self.deferred.push_front(job);
             }
             if !batch.is_empty() {
                 self.run_batch(batch);
@@ -353,9 +405,10 @@ impl Worker {
         job
     }
 
-    /// Adds a job to the batch being formed, or answers it at once if it is invalid.
-    fn admit(&mut self, job: Job, batch: &mut Vec<Planned>, tokens: &mut usize) {
-        let (request, reply, queued_at) = match job {
+    /// Adds a job to the batch being formed (a prompt perhaps only in part), defers it to a
+    /// later pass, or answers it at once if it is invalid.
+    fn admit(&mut self, job: Job, batch: &mut Vec<Planned>, tokens: &mut Budget) {
+        let (request, reply, queued_at, prefilled) = match job {
             Job::Release { sequence } => {
                 self.cache.remove(&sequence);
                 return;
@@ -364,7 +417,8 @@ impl Worker {
                 request,
                 reply,
                 queued_at,
-            } => (request, reply, queued_at),
+                prefilled,
+            } => (request, reply, queued_at, prefilled),
         };
         if reply.is_closed() {
             // The caller gave up (deadline, disconnect) while the job waited: skip it.
@@ -376,20 +430,45 @@ impl Worker {
                 request,
                 reply,
                 queued_at,
+                prefilled,
             });
             return;
         }
-        match self.plan(request) {
-            Ok((sequence, cache, new_tokens, logits_at, reused)) => {
-                *tokens += new_tokens.len();
+        match self.plan(&request) {
+            Ok((cache, mut new_tokens, mut logits_at, reused)) => {
+                // Tokens before the first logit are prompt: they spend the pass's prefill
+                // budget. What does not fit runs in later passes.
+                let prompt = logits_at.first().copied().unwrap_or(new_tokens.len());
+                let resume = if prompt > tokens.prefill_left {
+                    if tokens.prefill_left == 0 {
+                        self.cache.put(request.sequence.clone(), cache);
+                        self.deferred.push_back(Job::Score {
+                            request,
+                            reply,
+                            queued_at,
+                            prefilled,
+                        });
+                        return;
+                    }
+                    new_tokens.truncate(tokens.prefill_left);
+                    logits_at.clear();
+                    tokens.prefill_left = 0;
+                    Some(request.clone())
+                } else {
+                    tokens.prefill_left -= prompt;
+                    None
+                };
+                tokens.total += new_tokens.len();
                 batch.push(Planned {
-                    sequence,
+                    sequence: request.sequence,
                     cache,
                     new_tokens,
                     logits_at,
                     reused,
                     reply,
                     queued_at,
+                    prefilled,
+                    resume,
                 });
             }
             Err(e) => {
@@ -399,7 +478,7 @@ impl Worker {
     }
 
     #[allow(clippy::type_complexity)]
-    fn plan(&mut self, request: ScoreRequest) -> Result<(String, KvCache, Vec<u32>, Vec<usize>, usize)> {
+    fn plan(&mut self, request: &ScoreRequest) -> Result<(KvCache, Vec<u32>, Vec<usize>, usize)> {
         let cfg = self.llama.config();
         let len = request.context.len();
         if request.logits_from >= len {
@@ -429,7 +508,7 @@ impl Worker {
         cache.truncate(keep);
         let new_tokens = request.context[keep..].to_vec();
         let logits_at = (request.logits_from - keep..len - keep).collect();
-        Ok((request.sequence, cache, new_tokens, logits_at, keep))
+        Ok((cache, new_tokens, logits_at, keep))
     }
 
     fn run_batch(&mut self, mut batch: Vec<Planned>) {
@@ -458,7 +537,18 @@ impl Worker {
         let vocab = self.llama.config().vocab_size;
         match result {
             Ok(all_logits) => {
+                let mut resumed = Vec::new();
                 for (planned, logits) in batch.into_iter().zip(all_logits) {
+                    if let Some(request) = planned.resume {
+                        self.cache.put(planned.sequence, planned.cache);
+                        resumed.push(Job::Score {
+                            request,
+                            reply: planned.reply,
+                            queued_at: planned.queued_at,
+                            prefilled: planned.prefilled + planned.new_tokens.len(),
+                        });
+                        continue;
+                    }
                     let scores = logits
                         .flatten_all()
                         .and_then(|t| t.to_vec1::<f32>())
@@ -466,8 +556,8 @@ impl Worker {
                         .map(|logits| Scores {
                             logits,
                             vocab,
-                            reused: planned.reused,
-                            computed: planned.new_tokens.len(),
+                            reused: planned.reused - planned.prefilled,
+                            computed: planned.new_tokens.len() + planned.prefilled,
                             batch_size,
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),
                             forward_seconds,
@@ -475,6 +565,9 @@ impl Worker {
                     self.cache.put(planned.sequence, planned.cache);
                     let _ = planned.reply.send(scores);
                 }
+                // The rest of chunked prompts run in the next pass, after the jobs that got no
+                // prefill budget in this one (round robin among prompts).
+                self.deferred.extend(resumed);
             }
             Err(e) => {
                 let message = e.to_string();
@@ -539,6 +632,63 @@ mod tests {
         for receiver in admitted {
             let scores = receiver.blocking_recv().unwrap().unwrap();
             assert_eq!(scores.logits.len(), scores.vocab);
+        }
+    }
+
+    fn request(sequence: &str, context: &[u32]) -> ScoreRequest {
+        ScoreRequest {
+            sequence: sequence.into(),
+            context: context.to_vec(),
+            logits_from: context.len() - 1,
+        }
+    }
+
+    #[test]
+    fn a_chunked_prompt_gives_the_same_logits_and_shares_its_passes() {
+        let prompt: Vec<u32> = (0..200).map(|i| 3 + (i * 7 % 250)).collect();
+        let (_whole_file, whole) = tiny_engine(EngineOptions {
+            prefill_chunk: 0,
+            ..EngineOptions::default()
+        });
+        let expected = whole.engine.score_blocking(request("a", &prompt)).unwrap();
+        let (_file, chunked) = tiny_engine(EngineOptions {
+            prefill_chunk: 16,
+            ..EngineOptions::default()
+        });
+        let long = chunked.engine.submit(request("long", &prompt)).unwrap();
+        let short = chunked.engine.submit(request("short", &[5, 6, 7])).unwrap();
+        let short = short.blocking_recv().unwrap().unwrap();
+        let long = long.blocking_recv().unwrap().unwrap();
+        assert_eq!(long.logits, expected.logits, "chunking must not change a logit");
+        assert_eq!((long.computed, long.reused), (200, 0));
+        // The short job ran beside a chunk of the long prompt, not after all of it.
+        assert_eq!(short.batch_size, 2);
+    }
+
+    #[test]
+    fn two_jobs_for_one_sequence_both_complete() {
+        let (_file, loaded) = tiny_engine(EngineOptions::default());
+        let context: Vec<u32> = (0..40).map(|i| 3 + i).collect();
+        let first = loaded.engine.submit(request("same", &context)).unwrap();
+        let second = loaded.engine.submit(request("same", &context[..30])).unwrap();
+        let third = loaded.engine.submit(request("other", &context)).unwrap();
+        for receiver in [first, second, third] {
+            let scores = receiver.blocking_recv().unwrap().unwrap();
+            assert_eq!(scores.logits.len(), scores.vocab);
+        }
+    }
+
+    #[test]
+    fn a_batch_window_collects_jobs_that_arrive_during_it() {
+        let (_file, loaded) = tiny_engine(EngineOptions {
+            batch_wait: Duration::from_millis(300),
+            ..EngineOptions::default()
+        });
+        let first = loaded.engine.submit(request("a", &[3, 4, 5])).unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        let second = loaded.engine.submit(request("b", &[6, 7, 8])).unwrap();
+        for receiver in [first, second] {
+            assert_eq!(receiver.blocking_recv().unwrap().unwrap().batch_size, 2);
         }
     }
 }
