@@ -5,7 +5,8 @@
 //! Formats, repacked at load into two kernel families:
 //! - **4-bit** (`scale · q + min`, 16 bytes of nibbles per 32 values): Q4_0, Q4_1 and Q4_K
 //!   (each Q4_K sub-block of 32 becomes one block with its own f32 scale and minimum);
-//! - **8-bit** (`scale · q`): Q8_0.
+//! - **8-bit** (`scale · q`): Q8_0, and Q6_K (values `q − 32` as signed bytes, a scale per
+//!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
 //! x86-64 and uses the best it finds): AVX-512 VNNI (two blocks per instruction), AVX2 + FMA,
@@ -38,6 +39,8 @@ pub enum Family {
     Nibbles,
     /// `scale · q`, q a signed byte.
     Bytes,
+    /// `scale · q`, q a signed byte, one scale per 16 values (Q6_K).
+    Bytes16,
 }
 
 /// How blocks are laid out in memory.
@@ -93,7 +96,7 @@ fn to_f16(value: f32) -> u16 {
 }
 
 impl QuantMatrix {
-    /// Repacks a Q4_0, Q4_1, Q4_K or Q8_0 tensor for this CPU's best kernel; `None` for
+    /// Repacks a Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor for this CPU's best kernel; `None` for
     /// other formats or shapes.
     pub fn from_qtensor(tensor: &QTensor) -> Option<Self> {
         Self::from_qtensor_for(tensor, Kernel::detect())
@@ -127,9 +130,9 @@ impl QuantMatrix {
     /// Row `j` of the weights, dequantised (the embedding lookup of a tied embedding).
     pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
         for b in 0..self.k / BLOCK {
-            let (scale, min, values) = self.block(j, b);
-            for (d, v) in out[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(values) {
-                *d = to_f32(scale) * f32::from(v) + to_f32(min);
+            let (scales, min, values) = self.block(j, b);
+            for (i, (d, v)) in out[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(values).enumerate() {
+                *d = to_f32(scales[i / 16]) * f32::from(v) + to_f32(min);
             }
         }
     }
@@ -261,6 +264,7 @@ impl QuantMatrix {
                 match self.family {
                     Family::Nibbles => rows!(q4_group),
                     Family::Bytes => rows!(q8_group),
+                    Family::Bytes16 => rows!(q8x16_group),
                 }
             }
             let _ = cols;
@@ -277,7 +281,8 @@ impl QuantMatrix {
     /// a time: the AVX2 and portable kernels).
     fn column(&self, kernel: Kernel, j: usize, x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
         let nb = self.k / BLOCK;
-        let scales = &self.scales[j * nb..(j + 1) * nb];
+        let halves = self.halves();
+        let scales = &self.scales[j * nb * halves..(j + 1) * nb * halves];
         match self.family {
             Family::Nibbles => {
                 let mins = &self.mins[j * nb..(j + 1) * nb];
@@ -296,6 +301,15 @@ impl QuantMatrix {
                     #[cfg(target_arch = "x86_64")]
                     Kernel::Avx2 => unsafe { avx2::q8(scales, quants, x, r0, count, out) },
                     _ => portable::q8(scales, quants, x, r0, count, out),
+                }
+            }
+            Family::Bytes16 => {
+                let quants = &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK];
+                match kernel {
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 => unsafe { avx2::q8x16(scales, quants, x, r0, count, out) },
+                    _ => portable::q8x16(scales, quants, x, r0, count, out),
                 }
             }
         }

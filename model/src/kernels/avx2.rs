@@ -109,3 +109,49 @@ pub unsafe fn q8(scales: &[u16], quants: &[u8], x: &QuantizedRows, r0: usize, co
         out[t] = hsum(acc[t]);
     }
 }
+
+/// As [`q8`] with a scale per 16 values: lanes 0..4 of the products hold values 0..16.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; slices must hold `x.blocks` blocks.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn q8x16(
+    scales: &[u16],
+    quants: &[u8],
+    x: &QuantizedRows,
+    r0: usize,
+    count: usize,
+    out: &mut [f32],
+) {
+    let nb = x.blocks;
+    assert!(count <= ROW_TILE && quants.len() >= nb * BLOCK && scales.len() >= 2 * nb);
+    assert!((r0 + count) * nb * BLOCK <= x.quants.len());
+    let mut acc = [_mm256_setzero_ps(); ROW_TILE];
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        prefetch(
+            quants.as_ptr().wrapping_add(b * BLOCK),
+            scales.as_ptr().wrapping_add(2 * b),
+            b,
+        );
+        // SAFETY: 32 bytes of this block's quants are in bounds (checked above).
+        let w = unsafe { _mm256_loadu_si256(quants.as_ptr().add(b * BLOCK) as *const __m256i) };
+        let w_abs = _mm256_sign_epi8(w, w);
+        let dw = _mm256_set_m128(
+            _mm_set1_ps(to_f32(scales[2 * b + 1])),
+            _mm_set1_ps(to_f32(scales[2 * b])),
+        );
+        for t in 0..count {
+            let xb = (r0 + t) * nb + b;
+            // SAFETY: block xb of the activations has 32 int8 values (checked above).
+            let xq = unsafe { _mm256_loadu_si256(x.quants.as_ptr().add(xb * BLOCK) as *const __m256i) };
+            let x_signed = _mm256_sign_epi8(xq, w);
+            let products = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), ones);
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x.scales[xb]));
+            acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(products), acc[t]);
+        }
+    }
+    for t in 0..count {
+        out[t] = hsum(acc[t]);
+    }
+}

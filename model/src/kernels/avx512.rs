@@ -55,7 +55,10 @@ fn check(w: &QuantMatrix, group: usize, x: &QuantizedRows, r0: usize, rows: usiz
         x.quants.len() >= x.m * x.k && x.scales.len() >= x.m * x.blocks && x.sums.len() >= x.m * x.blocks
     );
     let records = (group + 1) * pairs;
-    assert!(w.quants.len() >= records * COL_TILE * quant_bytes && w.scales.len() >= records * 2 * COL_TILE);
+    assert!(
+        w.quants.len() >= records * COL_TILE * quant_bytes
+            && w.scales.len() >= records * 2 * w.halves() * COL_TILE
+    );
 }
 
 /// The group's f16 metadata for one pair, `[row][block]`, as 8 floats.
@@ -81,7 +84,7 @@ fn prefetch(w: &QuantMatrix, record: usize, bytes_per_row: usize) {
     let meta = w
         .scales
         .as_ptr()
-        .wrapping_add((record + 4 * AHEAD) * 2 * COL_TILE);
+        .wrapping_add((record + 4 * AHEAD) * 2 * w.halves() * COL_TILE);
     _mm_prefetch::<_MM_HINT_T0>(meta as *const i8);
     if !w.mins.is_empty() {
         let mins = w.mins.as_ptr().wrapping_add((record + 4 * AHEAD) * 2 * COL_TILE);
@@ -214,6 +217,76 @@ pub unsafe fn q8_group<const R: usize>(
             // q + 128 as an unsigned byte (a lone block's zero padding meets zero activations).
             weights[c] = _mm512_xor_si512(raw, offset);
             dw[c] = row_pair(scales, c);
+        }
+        for t in 0..R {
+            let r = r0 + t;
+            // SAFETY: blocks of row r are in bounds (checked above).
+            let (xq, dx) = unsafe {
+                (
+                    load_x(x, r, b, two),
+                    pair_of(x.scales.as_ptr().add(r * nb + b), two),
+                )
+            };
+            let correction = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xq),
+            );
+            for c in 0..COL_TILE {
+                let dot = _mm512_dpbusd_epi32(correction, weights[c], xq);
+                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[c][t]);
+            }
+        }
+    }
+    for c in 0..COL_TILE {
+        for t in 0..R {
+            out[c * ROW_TILE + t] = _mm512_reduce_add_ps(acc[c][t]);
+        }
+    }
+}
+
+/// As [`q8_group`] with a scale per 16 values (Q6_K): a pair's 16 f16 scales per group,
+/// `[row][block][half]`, and in each product register lanes 4h..4h + 4 of block b's half hold
+/// its values 16h..16h + 16.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of the Q6_K family.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+pub unsafe fn q8x16_group<const R: usize>(
+    w: &QuantMatrix,
+    group: usize,
+    x: &QuantizedRows,
+    r0: usize,
+    out: &mut [f32],
+) {
+    check(w, group, x, r0, R, 2 * BLOCK);
+    assert!(w.halves() == 2);
+    let nb = x.blocks;
+    let pairs = nb.div_ceil(2);
+    let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
+    let offset = _mm512_set1_epi8(-128);
+    for p in 0..pairs {
+        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
+        prefetch(w, record, 2 * BLOCK);
+        // SAFETY: the record's 16 scales are in bounds (checked above).
+        let scales = unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                w.scales.as_ptr().add(record * 4 * COL_TILE) as *const __m256i
+            ))
+        };
+        let mut weights = [_mm512_setzero_si512(); COL_TILE];
+        let mut dw = [_mm512_setzero_ps(); COL_TILE];
+        for c in 0..COL_TILE {
+            // SAFETY: as above; 64 bytes per weight row.
+            let raw = unsafe {
+                _mm512_loadu_si512(
+                    w.quants.as_ptr().add((record * COL_TILE + c) * 2 * BLOCK) as *const __m512i
+                )
+            };
+            weights[c] = _mm512_xor_si512(raw, offset);
+            let base = 4 * c as i32;
+            let (a, b1, c1, d) = (base, base + 1, base + 2, base + 3);
+            let index = _mm512_set_epi32(d, d, d, d, c1, c1, c1, c1, b1, b1, b1, b1, a, a, a, a);
+            dw[c] = _mm512_permutexvar_ps(index, scales);
         }
         for t in 0..R {
             let r = r0 + t;

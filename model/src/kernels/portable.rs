@@ -52,3 +52,27 @@ pub fn q8(scales: &[u16], quants: &[u8], x: &QuantizedRows, r0: usize, count: us
         out[t] = acc;
     }
 }
+
+/// As [`q8`] with a scale per 16 values (two per block).
+pub fn q8x16(scales: &[u16], quants: &[u8], x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
+    let nb = x.blocks;
+    for t in 0..count {
+        let r = r0 + t;
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let xq = &x.quants[(r * nb + b) * BLOCK..(r * nb + b + 1) * BLOCK];
+            let mut halves = 0f32;
+            for h in 0..2 {
+                let w = &quants[b * BLOCK + 16 * h..b * BLOCK + 16 * h + 16];
+                let sumi: i32 = w
+                    .iter()
+                    .zip(&xq[16 * h..16 * h + 16])
+                    .map(|(&a, &b)| i32::from(a as i8) * i32::from(b))
+                    .sum();
+                halves += to_f32(scales[2 * b + h]) * sumi as f32;
+            }
+            acc += x.scales[r * nb + b] * halves;
+        }
+        out[t] = acc;
+    }
+}

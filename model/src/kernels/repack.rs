@@ -15,6 +15,7 @@ pub(super) fn repack(dtype: GgmlDType, n: usize, k: usize, data: &[u8]) -> Optio
         GgmlDType::Q4_1 => (Family::Nibbles, BLOCK, 20),
         GgmlDType::Q4K => (Family::Nibbles, SUPER, 144),
         GgmlDType::Q8_0 => (Family::Bytes, BLOCK, 34),
+        GgmlDType::Q6K => (Family::Bytes16, SUPER, 210),
         _ => return None,
     };
     if !k.is_multiple_of(block_values) || data.len() != n * k / block_values * block_bytes {
@@ -27,7 +28,7 @@ pub(super) fn repack(dtype: GgmlDType, n: usize, k: usize, data: &[u8]) -> Optio
         source: dtype,
         n,
         k,
-        scales: Vec::with_capacity(blocks),
+        scales: Vec::with_capacity(blocks * if family == Family::Bytes16 { 2 } else { 1 }),
         mins: Vec::with_capacity(if family == Family::Nibbles { blocks } else { 0 }),
         quants: Vec::with_capacity(blocks * if family == Family::Nibbles { 16 } else { BLOCK }),
     };
@@ -40,6 +41,7 @@ pub(super) fn repack(dtype: GgmlDType, n: usize, k: usize, data: &[u8]) -> Optio
             }
             GgmlDType::Q4_1 => matrix.push_nibbles(read_f16(block, 0), read_f16(block, 2), &block[4..20]),
             GgmlDType::Q4K => matrix.push_q4k(block),
+            GgmlDType::Q6K => matrix.push_q6k(block),
             _ => {
                 matrix.scales.push(read_f16(block, 0));
                 matrix.quants.extend_from_slice(&block[2..34]);
@@ -79,6 +81,34 @@ impl QuantMatrix {
     }
 }
 
+impl QuantMatrix {
+    /// One Q6_K super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 signed 8-bit
+    /// scales (one per 16 values) and f16 d; value v is `d · sc[v / 16] · (q − 32)`. Each 32
+    /// values become one signed-byte block with two f16 scales `d · sc` (rounded to f16, as
+    /// for Q4_K).
+    fn push_q6k(&mut self, block: &[u8]) {
+        let (ql, qh, sc) = (&block[0..128], &block[128..192], &block[192..208]);
+        let d = to_f32(read_f16(block, 208));
+        let mut values = [0i8; SUPER];
+        for half in 0..2 {
+            let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+            for l in 0..32 {
+                let v = &mut values[128 * half..];
+                v[l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i8 - 32;
+                v[l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                v[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                v[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            }
+        }
+        for (j, chunk) in values.chunks_exact(BLOCK).enumerate() {
+            for h in 0..2 {
+                self.scales.push(to_f16(d * f32::from(sc[2 * j + h] as i8)));
+            }
+            self.quants.extend(chunk.iter().map(|&v| v as u8));
+        }
+    }
+}
+
 /// The 6-bit scale and minimum of Q4_K sub-block `j` (ggml's `get_scale_min_k4`).
 fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -92,56 +122,76 @@ fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 impl QuantMatrix {
-    /// Block `b` of row `j`: f16 scale and minimum (zero for 8-bit) and its 32 values.
-    pub(super) fn block(&self, j: usize, b: usize) -> (u16, u16, [i16; BLOCK]) {
-        let nb = self.k / BLOCK;
-        let mut values = [0i16; BLOCK];
+    /// Scales stored per 32-value block: two (one per 16 values) for Q6_K, else one.
+    pub(super) fn halves(&self) -> usize {
+        if self.family == Family::Bytes16 { 2 } else { 1 }
+    }
+
+    /// Where the f16 scale of half `h` of block `b` of row `j` is kept (minimums likewise).
+    fn meta_index(&self, j: usize, b: usize, h: usize) -> usize {
+        let (nb, halves) = (self.k / BLOCK, self.halves());
+        let h = h.min(halves - 1);
         match self.layout {
-            Layout::Rows => {
-                let block = j * nb + b;
-                match self.family {
-                    Family::Nibbles => {
-                        let q = &self.quants[block * 16..block * 16 + 16];
-                        for i in 0..16 {
-                            values[i] = i16::from(q[i] & 0x0F);
-                            values[i + 16] = i16::from(q[i] >> 4);
-                        }
-                        (self.scales[block], self.mins[block], values)
-                    }
-                    Family::Bytes => {
-                        for (v, &q) in values
-                            .iter_mut()
-                            .zip(&self.quants[block * BLOCK..(block + 1) * BLOCK])
-                        {
-                            *v = i16::from(q as i8);
-                        }
-                        (self.scales[block], 0, values)
-                    }
-                }
-            }
+            Layout::Rows => (j * nb + b) * halves + h,
             Layout::Groups => {
-                let pairs = nb.div_ceil(2);
-                let (g, c, p, second) = (j / COL_TILE, j % COL_TILE, b / 2, b % 2);
-                let record = g * pairs + p;
-                let meta = record * 2 * COL_TILE + 2 * c + second;
-                match self.family {
-                    Family::Nibbles => {
-                        let q = &self.quants[(record * COL_TILE + c) * BLOCK..][..BLOCK];
-                        for (v, &byte) in values.iter_mut().zip(q) {
-                            *v = i16::from((byte >> (4 * second)) & 0x0F);
-                        }
-                        (self.scales[meta], self.mins[meta], values)
-                    }
-                    Family::Bytes => {
-                        let q = &self.quants[(record * COL_TILE + c) * 2 * BLOCK + second * BLOCK..][..BLOCK];
-                        for (v, &byte) in values.iter_mut().zip(q) {
-                            *v = i16::from(byte as i8);
-                        }
-                        (self.scales[meta], 0, values)
-                    }
+                let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
+                record * 2 * halves * COL_TILE + (j % COL_TILE) * 2 * halves + (b % 2) * halves + h
+            }
+        }
+    }
+
+    /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit;
+    /// in 4-bit groups the 32 bytes shared with its pair, low or high nibbles).
+    fn quant_offset(&self, j: usize, b: usize) -> usize {
+        let nb = self.k / BLOCK;
+        match (self.layout, self.family) {
+            (Layout::Rows, Family::Nibbles) => (j * nb + b) * 16,
+            (Layout::Rows, _) => (j * nb + b) * BLOCK,
+            (Layout::Groups, family) => {
+                let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
+                let row = record * COL_TILE + j % COL_TILE;
+                match family {
+                    Family::Nibbles => row * BLOCK,
+                    _ => row * 2 * BLOCK + (b % 2) * BLOCK,
                 }
             }
         }
+    }
+
+    /// Block `b` of row `j`: the f16 scales of its two halves of 16 values (equal unless
+    /// Q6_K), its f16 minimum (zero for 8-bit) and its 32 values.
+    pub(super) fn block(&self, j: usize, b: usize) -> ([u16; 2], u16, [i16; BLOCK]) {
+        let mut values = [0i16; BLOCK];
+        let at = self.quant_offset(j, b);
+        match (self.layout, self.family) {
+            (Layout::Rows, Family::Nibbles) => {
+                let q = &self.quants[at..at + 16];
+                for i in 0..16 {
+                    values[i] = i16::from(q[i] & 0x0F);
+                    values[i + 16] = i16::from(q[i] >> 4);
+                }
+            }
+            (Layout::Groups, Family::Nibbles) => {
+                for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
+                    *v = i16::from((byte >> (4 * (b % 2))) & 0x0F);
+                }
+            }
+            _ => {
+                for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
+                    *v = i16::from(byte as i8);
+                }
+            }
+        }
+        let scales = [
+            self.scales[self.meta_index(j, b, 0)],
+            self.scales[self.meta_index(j, b, 1)],
+        ];
+        let min = if self.family == Family::Nibbles {
+            self.mins[self.meta_index(j, b, 0)]
+        } else {
+            0
+        };
+        (scales, min, values)
     }
 
     /// The same matrix in [`Layout::Groups`] (rows padded to a multiple of [`COL_TILE`] and
@@ -152,57 +202,45 @@ impl QuantMatrix {
         let records = groups * pairs;
         let quant_bytes = match self.family {
             Family::Nibbles => BLOCK,
-            Family::Bytes => 2 * BLOCK,
+            _ => 2 * BLOCK,
         };
-        let mut quants = vec![0u8; records * COL_TILE * quant_bytes];
-        let mut scales = vec![0u16; records * 2 * COL_TILE];
-        let mut mins = vec![
-            0u16;
-            if self.family == Family::Nibbles {
-                scales.len()
-            } else {
-                0
-            }
-        ];
-        for g in 0..groups {
-            for p in 0..pairs {
-                let record = g * pairs + p;
-                for c in 0..COL_TILE {
-                    let j = g * COL_TILE + c;
-                    for second in 0..2 {
-                        let b = 2 * p + second;
-                        if j >= self.n || b >= nb {
-                            continue;
-                        }
-                        let (scale, min, values) = self.block(j, b);
-                        let meta = record * 2 * COL_TILE + 2 * c + second;
-                        scales[meta] = scale;
-                        match self.family {
-                            Family::Nibbles => {
-                                mins[meta] = min;
-                                let q = &mut quants[(record * COL_TILE + c) * BLOCK..][..BLOCK];
-                                for (byte, &v) in q.iter_mut().zip(&values) {
-                                    *byte |= (v as u8) << (4 * second);
-                                }
-                            }
-                            Family::Bytes => {
-                                let q = &mut quants[(record * COL_TILE + c) * 2 * BLOCK + second * BLOCK..]
-                                    [..BLOCK];
-                                for (byte, &v) in q.iter_mut().zip(&values) {
-                                    *byte = v as i8 as u8;
-                                }
-                            }
-                        }
+        let mut grouped = Self {
+            layout: Layout::Groups,
+            quants: vec![0u8; records * COL_TILE * quant_bytes],
+            scales: vec![0u16; records * 2 * self.halves() * COL_TILE],
+            mins: vec![
+                0u16;
+                if self.family == Family::Nibbles {
+                    records * 2 * COL_TILE
+                } else {
+                    0
+                }
+            ],
+            family: self.family,
+            source: self.source,
+            n: self.n,
+            k: self.k,
+        };
+        for j in 0..self.n {
+            for b in 0..nb {
+                let (scales, min, values) = self.block(j, b);
+                for (h, &scale) in scales.iter().enumerate().take(self.halves()) {
+                    let at = grouped.meta_index(j, b, h);
+                    grouped.scales[at] = scale;
+                }
+                if self.family == Family::Nibbles {
+                    let at = grouped.meta_index(j, b, 0);
+                    grouped.mins[at] = min;
+                }
+                let at = grouped.quant_offset(j, b);
+                for (byte, &v) in grouped.quants[at..at + BLOCK].iter_mut().zip(&values) {
+                    match self.family {
+                        Family::Nibbles => *byte |= (v as u8) << (4 * (b % 2)),
+                        _ => *byte = v as i8 as u8,
                     }
                 }
             }
         }
-        Self {
-            layout: Layout::Groups,
-            quants,
-            scales,
-            mins,
-            ..self
-        }
+        grouped
     }
 }

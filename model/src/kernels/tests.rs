@@ -66,11 +66,21 @@ const SHAPES: [(usize, usize, usize); 8] = [
     (3, 5, 768),
 ];
 
-const FORMATS: [GgmlDType; 4] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q4K, GgmlDType::Q8_0];
+const FORMATS: [GgmlDType; 5] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+    GgmlDType::Q8_0,
+];
+
+fn is_k_quant(format: GgmlDType) -> bool {
+    matches!(format, GgmlDType::Q4K | GgmlDType::Q6K)
+}
 
 /// Shapes a format can take (K-quants need rows that are multiples of 256).
 fn shapes(format: GgmlDType) -> impl Iterator<Item = (usize, (usize, usize, usize))> {
-    let block = if format == GgmlDType::Q4K { 256 } else { 32 };
+    let block = if is_k_quant(format) { 256 } else { 32 };
     SHAPES
         .into_iter()
         .enumerate()
@@ -142,7 +152,7 @@ fn every_kernel_agrees_with_the_portable_one() {
     for format in FORMATS {
         // 17 blocks: the 512-bit kernels' odd last block.
         let (m, n, k) = (5, 11, 544);
-        if format == GgmlDType::Q4K {
+        if is_k_quant(format) {
             continue; // K-quants cannot take 544 columns; the reference test covers them
         }
         let x = random(m * k, 8);
@@ -197,8 +207,8 @@ fn dequantized_rows_equal_candles_dequantization() {
         let mut row = vec![0f32; k];
         for j in 0..n {
             packed.dequantize_row(j, &mut row);
-            // Q4_K's sub-block scales are rounded to f16 when repacked.
-            let bound = if format == GgmlDType::Q4K { 2e-3 } else { 1e-5 };
+            // K-quants' sub-block scales are rounded to f16 when repacked.
+            let bound = if is_k_quant(format) { 2e-3 } else { 1e-5 };
             for (i, (a, b)) in row.iter().zip(&want[j * k..(j + 1) * k]).enumerate() {
                 assert!(
                     (a - b).abs() <= bound * b.abs().max(1.0),
@@ -212,7 +222,7 @@ fn dequantized_rows_equal_candles_dequantization() {
 #[test]
 fn other_formats_are_left_to_candle() {
     let t = Tensor::from_vec(random(512, 1), (2, 256), &Device::Cpu).unwrap();
-    for format in [GgmlDType::Q6K, GgmlDType::Q5_0, GgmlDType::F16] {
+    for format in [GgmlDType::Q5K, GgmlDType::Q5_0, GgmlDType::F16] {
         assert!(QuantMatrix::from_qtensor(&QTensor::quantize(&t, format).unwrap()).is_none());
     }
 }
