@@ -85,13 +85,17 @@ impl Head<'_> {
                 && self.offset + q.len() <= self.stride
         );
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni {
-            // SAFETY: the CPU has AVX-512 (detected); bounds are checked above.
-            match q.len() {
-                64 => return unsafe { self.attend_avx512::<4>(q, scores, dst) },
-                128 => return unsafe { self.attend_avx512::<8>(q, scores, dst) },
-                _ => {}
+        match (crate::kernels::Kernel::detect(), q.len()) {
+            // SAFETY: the CPU has the kernel's features (detected); bounds are checked above.
+            (crate::kernels::Kernel::Avx512Vnni, 64) => {
+                return unsafe { self.attend_avx512::<4>(q, scores, dst) };
             }
+            (crate::kernels::Kernel::Avx512Vnni, 128) => {
+                return unsafe { self.attend_avx512::<8>(q, scores, dst) };
+            }
+            (crate::kernels::Kernel::Avx2, 64) => return unsafe { self.attend_avx2::<8>(q, scores, dst) },
+            (crate::kernels::Kernel::Avx2, 128) => return unsafe { self.attend_avx2::<16>(q, scores, dst) },
+            _ => {}
         }
         self.attend_portable(q, scores, dst);
     }
@@ -172,6 +176,58 @@ impl Head<'_> {
             unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), out[c]) };
         }
     }
+
+    /// As [`Head::attend_avx512`] with 256-bit registers (`CH` × 8 floats).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `q.len() == 8 · CH` and the bounds checked in `attend`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::needless_range_loop)] // registers indexed in lockstep with memory chunks
+    unsafe fn attend_avx2<const CH: usize>(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
+        use std::arch::x86_64::*;
+        assert!(q.len() == 8 * CH && dst.len() == 8 * CH);
+        scores.clear();
+        scores.resize(self.visible, 0.0);
+        let mut max = f32::NEG_INFINITY;
+        for (j, score) in scores.iter_mut().enumerate() {
+            // SAFETY: position j < visible of this KV head is in bounds (checked in attend).
+            let k = unsafe { self.keys.as_ptr().add(j * self.stride + self.offset) };
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for c in 0..CH {
+                // SAFETY: q and the key hold 8 · CH floats.
+                let (qc, kc) = unsafe {
+                    (
+                        _mm256_loadu_ps(q.as_ptr().add(8 * c)),
+                        _mm256_loadu_ps(k.add(8 * c)),
+                    )
+                };
+                acc[c % 2] = _mm256_fmadd_ps(qc, kc, acc[c % 2]);
+            }
+            let v = _mm256_add_ps(acc[0], acc[1]);
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            *score = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * self.scale;
+            max = max.max(*score);
+        }
+        for s in scores.iter_mut() {
+            *s = exp(*s - max);
+        }
+        let inv = 1.0 / scores.iter().sum::<f32>();
+        let mut out = [_mm256_setzero_ps(); CH];
+        for (j, &p) in scores.iter().enumerate() {
+            let w = _mm256_set1_ps(p * inv);
+            // SAFETY: as above.
+            let v = unsafe { self.values.as_ptr().add(j * self.stride + self.offset) };
+            for c in 0..CH {
+                out[c] = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(8 * c)) }, out[c]);
+            }
+        }
+        for c in 0..CH {
+            // SAFETY: dst holds 8 · CH floats.
+            unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), out[c]) };
+        }
+    }
 }
 
 /// `eˣ` as a branch-free polynomial that vectorises over a slice (within 2 ulp of `f32::exp`;
@@ -233,10 +289,26 @@ mod tests {
                 scale: 1.0 / (hd as f32).sqrt(),
             };
             let (mut fast, mut plain, mut scores) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
-            head.attend(&q, &mut scores, &mut fast);
             head.attend_portable(&q, &mut scores, &mut plain);
-            for (a, b) in fast.iter().zip(&plain) {
-                assert!((a - b).abs() <= 1e-5, "hd {hd}: {a} vs {b}");
+            let mut results = vec![("detected", {
+                head.attend(&q, &mut scores, &mut fast);
+                fast.clone()
+            })];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                let mut avx2 = vec![0f32; hd];
+                // SAFETY: the CPU has AVX2 and FMA (checked); the bounds hold for this head.
+                match hd {
+                    64 => unsafe { head.attend_avx2::<8>(&q, &mut scores, &mut avx2) },
+                    128 => unsafe { head.attend_avx2::<16>(&q, &mut scores, &mut avx2) },
+                    _ => head.attend_portable(&q, &mut scores, &mut avx2),
+                }
+                results.push(("avx2", avx2));
+            }
+            for (name, got) in results {
+                for (a, b) in got.iter().zip(&plain) {
+                    assert!((a - b).abs() <= 1e-5, "{name} hd {hd}: {a} vs {b}");
+                }
             }
         }
     }

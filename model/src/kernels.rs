@@ -22,7 +22,11 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+mod avx2_groups;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod groups;
 mod portable;
 mod repack;
 
@@ -107,7 +111,7 @@ impl QuantMatrix {
         let (n, k) = tensor.shape().dims2().ok()?;
         let data = tensor.data().ok()?;
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
-        Some(if kernel == Kernel::Avx512Vnni {
+        Some(if kernel != Kernel::Portable {
             matrix.into_groups()
         } else {
             matrix
@@ -242,9 +246,43 @@ impl QuantMatrix {
     ) {
         if self.layout == Layout::Groups {
             assert!(
-                kernel == Kernel::Avx512Vnni && j0.is_multiple_of(COL_TILE),
-                "grouped weights need the AVX-512 kernel"
+                kernel != Kernel::Portable && j0.is_multiple_of(COL_TILE),
+                "grouped weights need a SIMD kernel"
             );
+            #[cfg(target_arch = "x86_64")]
+            if kernel == Kernel::Avx2 {
+                let group = j0 / COL_TILE;
+                let mut t = 0;
+                while t < count {
+                    let two = count - t >= 2;
+                    // SAFETY: grouped weights for AVX2 exist only when the CPU has AVX2, FMA
+                    // and F16C (see `from_qtensor_for`); the kernel checks every bound it uses.
+                    unsafe {
+                        match (self.family, two) {
+                            (Family::Nibbles, true) => {
+                                avx2_groups::q4_group::<2>(self, group, x, r0 + t, t, out)
+                            }
+                            (Family::Nibbles, false) => {
+                                avx2_groups::q4_group::<1>(self, group, x, r0 + t, t, out)
+                            }
+                            (Family::Bytes, true) => {
+                                avx2_groups::q8_group::<2, 1>(self, group, x, r0 + t, t, out)
+                            }
+                            (Family::Bytes, false) => {
+                                avx2_groups::q8_group::<1, 1>(self, group, x, r0 + t, t, out)
+                            }
+                            (Family::Bytes16, true) => {
+                                avx2_groups::q8_group::<2, 2>(self, group, x, r0 + t, t, out)
+                            }
+                            (Family::Bytes16, false) => {
+                                avx2_groups::q8_group::<1, 2>(self, group, x, r0 + t, t, out)
+                            }
+                        }
+                    }
+                    t += if two { 2 } else { 1 };
+                }
+                return;
+            }
             #[cfg(target_arch = "x86_64")]
             {
                 macro_rules! rows {
@@ -333,7 +371,7 @@ impl SendPtr {
 pub enum Kernel {
     /// 512-bit registers and `vpdpbusd` (AVX-512 F, BW, VL and VNNI).
     Avx512Vnni,
-    /// 256-bit AVX2 with FMA.
+    /// 256-bit AVX2 with FMA and F16C.
     Avx2,
     Portable,
 }
@@ -367,7 +405,7 @@ impl Kernel {
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
                 kernels.push(Kernel::Avx512Vnni);
             }
-            if has!("avx2") && has!("fma") {
+            if has!("avx2") && has!("fma") && has!("f16c") {
                 kernels.push(Kernel::Avx2);
             }
         }
@@ -393,6 +431,11 @@ impl QuantizedRows {
     /// values rounded to nearest-even, and scale · Σq (as f16) for the minimum term. `x` is
     /// `[m, k]`; `k` must be a multiple of 32. Reuses this value's buffers.
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        self.quantize_with(Kernel::detect(), x, m, k);
+    }
+
+    /// As [`QuantizedRows::quantize`] with a given implementation (all give identical results).
+    pub(crate) fn quantize_with(&mut self, kernel: Kernel, x: &[f32], m: usize, k: usize) {
         assert!(
             k.is_multiple_of(BLOCK) && x.len() == m * k,
             "activations must be [m, k], k % 32 == 0"
@@ -406,10 +449,17 @@ impl QuantizedRows {
         self.quants.clear();
         self.quants.resize(m * k, 0);
         #[cfg(target_arch = "x86_64")]
-        if Kernel::detect() == Kernel::Avx512Vnni {
-            // SAFETY: the CPU has AVX-512 (detected); the buffers are sized above.
-            unsafe { avx512::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
-            return;
+        match kernel {
+            // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
+            Kernel::Avx512Vnni => {
+                unsafe { avx512::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
+                return;
+            }
+            Kernel::Avx2 => {
+                unsafe { avx2_groups::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
+                return;
+            }
+            Kernel::Portable => {}
         }
         for (chunk, q) in x.chunks_exact(BLOCK).zip(self.quants.chunks_exact_mut(BLOCK)) {
             let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));

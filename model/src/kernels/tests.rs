@@ -190,6 +190,26 @@ fn results_are_batch_invariant() {
 }
 
 #[test]
+fn every_kernel_is_batch_invariant() {
+    for kernel in Kernel::available() {
+        for format in FORMATS {
+            let (m, n, k) = (7, 9, 512);
+            let (_, packed) = matrix_for(format, n, k, 41, kernel);
+            let x = random(m * k, 42);
+            let together = matmul_with(kernel, &packed, &x, m);
+            for r in 0..m {
+                let alone = matmul_with(kernel, &packed, &x[r * k..(r + 1) * k], 1);
+                assert_eq!(
+                    &together[r * n..(r + 1) * n],
+                    alone.as_slice(),
+                    "{kernel:?} {format:?} row {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn dequantized_rows_equal_candles_dequantization() {
     for (format, kernel) in FORMATS
         .into_iter()
@@ -288,8 +308,14 @@ fn every_quantiser_gives_the_portable_result() {
     for v in &mut x[k..k + 32] {
         *v = 0.0;
     }
-    let mut fast = QuantizedRows::default();
-    fast.quantize(&x, 3, k);
+    for kernel in Kernel::available() {
+        let mut fast = QuantizedRows::default();
+        fast.quantize_with(kernel, &x, 3, k);
+        check_quantised(&fast, &x, k);
+    }
+}
+
+fn check_quantised(fast: &QuantizedRows, x: &[f32], k: usize) {
     let blocks = 3 * k / BLOCK;
     let (mut scales, mut sums, mut quants) = (Vec::new(), Vec::new(), vec![0i8; 3 * k]);
     for (chunk, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
