@@ -96,6 +96,17 @@ impl ForwardProfile {
     pub fn phase(&self, phase: Phase) -> f64 {
         self.seconds[phase as usize]
     }
+
+    /// Adds another profile's passes to this one.
+    pub fn add(&mut self, other: &ForwardProfile) {
+        for (total, s) in self.seconds.iter_mut().zip(other.seconds) {
+            *total += s;
+        }
+        self.passes += other.passes;
+        self.tokens += other.tokens;
+        self.pool_dispatches += other.pool_dispatches;
+        self.total_seconds += other.total_seconds;
+    }
 }
 
 /// Laps of one pass, recorded only while profiling.

@@ -286,23 +286,23 @@ impl QuantMatrix {
             #[cfg(target_arch = "x86_64")]
             {
                 macro_rules! rows {
-                    ($f:ident) => {
+                    ($f:ident $(, $halves:literal)?) => {
                         // SAFETY: grouped weights exist only when the CPU has AVX-512 VNNI
                         // (see `from_qtensor_for`); the kernel checks every bound it uses.
                         unsafe {
                             match count {
-                                4 => avx512::$f::<4>(self, j0 / COL_TILE, x, r0, out),
-                                3 => avx512::$f::<3>(self, j0 / COL_TILE, x, r0, out),
-                                2 => avx512::$f::<2>(self, j0 / COL_TILE, x, r0, out),
-                                _ => avx512::$f::<1>(self, j0 / COL_TILE, x, r0, out),
+                                4 => avx512::$f::<4 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
+                                3 => avx512::$f::<3 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
+                                2 => avx512::$f::<2 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
+                                _ => avx512::$f::<1 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
                             }
                         }
                     };
                 }
                 match self.family {
                     Family::Nibbles => rows!(q4_group),
-                    Family::Bytes => rows!(q8_group),
-                    Family::Bytes16 => rows!(q8x16_group),
+                    Family::Bytes => rows!(q8_group, 1),
+                    Family::Bytes16 => rows!(q8_group, 2),
                 }
             }
             let _ = cols;

@@ -83,22 +83,24 @@ pub unsafe fn q4_group<const R: usize>(
     assert!(w.mins.len() == w.scales.len());
     let nb = x.blocks;
     let pairs = nb.div_ceil(2);
+    // 16 accumulators, the rows' activations and scales, one weight row at a time: within
+    // AVX-512's 32 registers, so nothing spills to the stack in the hot loop.
     let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
-    // Lanes [row][block] of Σ min · (activation scale · Σq), per activation row.
-    let mut min_acc = [_mm256_setzero_ps(); R];
     let low_nibbles = _mm512_set1_epi8(0x0F);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
-        let mut weights = [_mm512_setzero_si512(); COL_TILE];
-        let mut dw = [_mm512_setzero_ps(); COL_TILE];
-        // SAFETY: the record is in bounds (checked above).
-        let (scales, mins) = unsafe {
-            (
-                _mm512_castps256_ps512(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE))),
-                meta8(w.mins.as_ptr().add(record * 2 * COL_TILE)),
-            )
-        };
         prefetch(w, record, BLOCK);
+        // SAFETY: the record is in bounds (checked above).
+        let scales = unsafe { _mm512_castps256_ps512(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE))) };
+        let mut xq = [_mm512_setzero_si512(); R];
+        let mut dx = [_mm512_setzero_ps(); R];
+        for t in 0..R {
+            // SAFETY: blocks of row r0 + t are in bounds (checked above).
+            unsafe {
+                xq[t] = load_x(x, r0 + t, b, two);
+                dx[t] = pair_of(x.scales.as_ptr().add((r0 + t) * nb + b), two);
+            }
+        }
         for c in 0..COL_TILE {
             // SAFETY: as above; 32 bytes per weight row.
             let raw = unsafe {
@@ -107,31 +109,32 @@ pub unsafe fn q4_group<const R: usize>(
                 ))
             };
             // Low half: low nibbles (first block); high half: high nibbles (second block).
-            weights[c] = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF_0000, raw, 4), low_nibbles);
-            dw[c] = row_pair(scales, c);
+            let weights = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF_0000, raw, 4), low_nibbles);
+            let dw = row_pair(scales, c);
+            for t in 0..R {
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights, xq[t]);
+                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[t]), acc[c][t]);
+            }
         }
+    }
+    // The minimums' term, Σ min · (activation scale · Σq), in a second, light pass: lanes
+    // [row][block] per activation row.
+    let mut min_acc = [_mm256_setzero_ps(); R];
+    for p in 0..pairs {
+        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
+        // SAFETY: the record and row r0 + t's blocks are in bounds (checked above).
+        let mins = unsafe { meta8(w.mins.as_ptr().add(record * 2 * COL_TILE)) };
         for t in 0..R {
-            let r = r0 + t;
-            // SAFETY: blocks of row r are in bounds (checked above).
-            let (xq, dx, sums) = unsafe {
-                let s = x.sums.as_ptr().add(r * nb + b);
-                let sums = if two {
+            let sums = unsafe {
+                let s = x.sums.as_ptr().add((r0 + t) * nb + b);
+                if two {
                     _mm_castpd_ps(_mm_load_sd(s as *const f64))
                 } else {
                     _mm_load_ss(s)
-                };
-                (
-                    load_x(x, r, b, two),
-                    pair_of(x.scales.as_ptr().add(r * nb + b), two),
-                    sums,
-                )
+                }
             };
             let sums = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(sums)));
             min_acc[t] = _mm256_fmadd_ps(mins, sums, min_acc[t]);
-            for c in 0..COL_TILE {
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights[c], xq);
-                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[c][t]);
-            }
         }
     }
     for t in 0..R {
@@ -144,14 +147,15 @@ pub unsafe fn q4_group<const R: usize>(
     }
 }
 
-/// Signed 8-bit weights × int8 activations; `vpdpbusd` needs an unsigned side, so weights
-/// are offset by 128 and `128 · Σx` (computed once per activation block, shared by all
-/// weight rows) is subtracted.
+/// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0)
+/// or per 16 values (`HALVES` = 2, Q6_K). `vpdpbusd` needs an unsigned side: it takes |w|
+/// and x with w's sign (a mask register per weight row). Registers as in [`q4_group`].
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of the 8-bit family.
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of an 8-bit family
+/// with `HALVES` scales per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q8_group<const R: usize>(
+pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     w: &QuantMatrix,
     group: usize,
     x: &QuantizedRows,
@@ -159,85 +163,31 @@ pub unsafe fn q8_group<const R: usize>(
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, 2 * BLOCK);
+    assert!(w.halves() == HALVES);
     let nb = x.blocks;
     let pairs = nb.div_ceil(2);
     let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
-    let offset = _mm512_set1_epi8(-128);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
-        let mut weights = [_mm512_setzero_si512(); COL_TILE];
-        let mut dw = [_mm512_setzero_ps(); COL_TILE];
-        // SAFETY: the record is in bounds (checked above).
-        let scales = unsafe { _mm512_castps256_ps512(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE))) };
         prefetch(w, record, 2 * BLOCK);
-        for c in 0..COL_TILE {
-            // SAFETY: as above; 64 bytes per weight row.
-            let raw = unsafe {
-                _mm512_loadu_si512(
-                    w.quants.as_ptr().add((record * COL_TILE + c) * 2 * BLOCK) as *const __m512i
-                )
-            };
-            // q + 128 as an unsigned byte (a lone block's zero padding meets zero activations).
-            weights[c] = _mm512_xor_si512(raw, offset);
-            dw[c] = row_pair(scales, c);
-        }
+        // SAFETY: the record's scales are in bounds (checked above).
+        let scales = unsafe {
+            let at = w.scales.as_ptr().add(record * 2 * HALVES * COL_TILE);
+            if HALVES == 1 {
+                _mm512_castps256_ps512(meta8(at))
+            } else {
+                _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
+            }
+        };
+        let mut xq = [_mm512_setzero_si512(); R];
+        let mut dx = [_mm512_setzero_ps(); R];
         for t in 0..R {
-            let r = r0 + t;
-            // SAFETY: blocks of row r are in bounds (checked above).
-            let (xq, dx) = unsafe {
-                (
-                    load_x(x, r, b, two),
-                    pair_of(x.scales.as_ptr().add(r * nb + b), two),
-                )
-            };
-            let correction = _mm512_sub_epi32(
-                _mm512_setzero_si512(),
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xq),
-            );
-            for c in 0..COL_TILE {
-                let dot = _mm512_dpbusd_epi32(correction, weights[c], xq);
-                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[c][t]);
+            // SAFETY: blocks of row r0 + t are in bounds (checked above).
+            unsafe {
+                xq[t] = load_x(x, r0 + t, b, two);
+                dx[t] = pair_of(x.scales.as_ptr().add((r0 + t) * nb + b), two);
             }
         }
-    }
-    for c in 0..COL_TILE {
-        for t in 0..R {
-            out[c * ROW_TILE + t] = _mm512_reduce_add_ps(acc[c][t]);
-        }
-    }
-}
-
-/// As [`q8_group`] with a scale per 16 values (Q6_K): a pair's 16 f16 scales per group,
-/// `[row][block][half]`, and in each product register lanes 4h..4h + 4 of block b's half hold
-/// its values 16h..16h + 16.
-///
-/// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of the Q6_K family.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q8x16_group<const R: usize>(
-    w: &QuantMatrix,
-    group: usize,
-    x: &QuantizedRows,
-    r0: usize,
-    out: &mut [f32],
-) {
-    check(w, group, x, r0, R, 2 * BLOCK);
-    assert!(w.halves() == 2);
-    let nb = x.blocks;
-    let pairs = nb.div_ceil(2);
-    let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
-    let offset = _mm512_set1_epi8(-128);
-    for p in 0..pairs {
-        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
-        prefetch(w, record, 2 * BLOCK);
-        // SAFETY: the record's 16 scales are in bounds (checked above).
-        let scales = unsafe {
-            _mm512_cvtph_ps(_mm256_loadu_si256(
-                w.scales.as_ptr().add(record * 4 * COL_TILE) as *const __m256i
-            ))
-        };
-        let mut weights = [_mm512_setzero_si512(); COL_TILE];
-        let mut dw = [_mm512_setzero_ps(); COL_TILE];
         for c in 0..COL_TILE {
             // SAFETY: as above; 64 bytes per weight row.
             let raw = unsafe {
@@ -245,28 +195,23 @@ pub unsafe fn q8x16_group<const R: usize>(
                     w.quants.as_ptr().add((record * COL_TILE + c) * 2 * BLOCK) as *const __m512i
                 )
             };
-            weights[c] = _mm512_xor_si512(raw, offset);
-            let base = 4 * c as i32;
-            let (a, b1, c1, d) = (base, base + 1, base + 2, base + 3);
-            let index = _mm512_set_epi32(d, d, d, d, c1, c1, c1, c1, b1, b1, b1, b1, a, a, a, a);
-            dw[c] = _mm512_permutexvar_ps(index, scales);
-        }
-        for t in 0..R {
-            let r = r0 + t;
-            // SAFETY: blocks of row r are in bounds (checked above).
-            let (xq, dx) = unsafe {
-                (
-                    load_x(x, r, b, two),
-                    pair_of(x.scales.as_ptr().add(r * nb + b), two),
+            let magnitude = _mm512_abs_epi8(raw);
+            let negative = _mm512_movepi8_mask(raw);
+            let dw = if HALVES == 1 {
+                row_pair(scales, c)
+            } else {
+                // Lanes 4i..4i + 4 hold values 16i'.. of block i / 2, half i % 2.
+                let base = 4 * c as i32;
+                let (a, b1, c1, d) = (base, base + 1, base + 2, base + 3);
+                _mm512_permutexvar_ps(
+                    _mm512_set_epi32(d, d, d, d, c1, c1, c1, c1, b1, b1, b1, b1, a, a, a, a),
+                    scales,
                 )
             };
-            let correction = _mm512_sub_epi32(
-                _mm512_setzero_si512(),
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xq),
-            );
-            for c in 0..COL_TILE {
-                let dot = _mm512_dpbusd_epi32(correction, weights[c], xq);
-                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[c], dx), acc[c][t]);
+            for t in 0..R {
+                let signed = _mm512_mask_sub_epi8(xq[t], negative, _mm512_setzero_si512(), xq[t]);
+                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed);
+                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[t]), acc[c][t]);
             }
         }
     }

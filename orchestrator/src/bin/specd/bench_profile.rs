@@ -36,24 +36,23 @@ fn profile_passes(engine: &Engine, n: usize, vocab: usize) -> anyhow::Result<For
         context: base[..DEPTH].to_vec(),
         logits_from: DEPTH - 1,
     })?;
-    engine.start_profile();
+    let mut profile = ForwardProfile::default();
     for _ in 0..PASSES {
-        // The cache holds DEPTH tokens after each pass is rolled back, so every pass scores
-        // the same n tokens at the same depth.
+        // Only the pass over the n tokens is profiled; rolling the cache back to DEPTH
+        // tokens (the second request re-scores the last cached token) is not.
+        engine.start_profile();
         engine.score_blocking(ScoreRequest {
             sequence: sequence.clone(),
             context: base.clone(),
             logits_from: DEPTH,
         })?;
-        engine
-            .score_blocking(ScoreRequest {
-                sequence: sequence.clone(),
-                context: base[..DEPTH].to_vec(),
-                logits_from: DEPTH - 1,
-            })
-            .ok();
+        profile.add(&engine.take_profile().unwrap_or_default());
+        engine.score_blocking(ScoreRequest {
+            sequence: sequence.clone(),
+            context: base[..DEPTH].to_vec(),
+            logits_from: DEPTH - 1,
+        })?;
     }
-    let profile = engine.take_profile().unwrap_or_default();
     engine.release(&sequence);
     Ok(profile)
 }
@@ -63,8 +62,6 @@ pub fn measure(engine: &Engine) -> anyhow::Result<Profile> {
     let decode = profile_passes(engine, 1, vocab)?;
     let score8 = profile_passes(engine, 8, vocab)?;
     anyhow::ensure!(decode.passes > 0 && score8.passes > 0, "no pass was profiled");
-    // Only the passes that scored n tokens count: the roll-back requests re-score nothing
-    // (their context is cached), so they make no pass.
     let per = |p: &ForwardProfile, phase: Phase| p.phase(phase) * 1e3 / p.passes as f64;
     let rows = Phase::ALL
         .iter()
