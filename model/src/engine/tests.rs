@@ -1,0 +1,108 @@
+//! Engine tests on a tiny random model: queue bounds, chunked prefill, batching.
+
+use super::*;
+use std::time::Duration;
+
+use crate::synthetic::{SyntheticSpec, write_tiny_llama};
+
+fn tiny_engine(options: EngineOptions) -> (tempfile::NamedTempFile, LoadedModel) {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    write_tiny_llama(file.path(), &SyntheticSpec::default()).unwrap();
+    let loaded = load(file.path(), options).unwrap();
+    (file, loaded)
+}
+
+#[test]
+fn a_full_queue_refuses_at_once_and_the_admitted_jobs_complete() {
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        max_queue: 1,
+        max_batch_tokens: 1,
+        ..EngineOptions::default()
+    });
+    let engine = loaded.engine;
+    let context: Vec<u32> = (0..200).map(|i| 3 + (i % 250)).collect();
+    let mut admitted = Vec::new();
+    let mut refused = 0;
+    let started = Instant::now();
+    for i in 0..8 {
+        match engine.submit(ScoreRequest {
+            sequence: format!("s{i}"),
+            context: context.clone(),
+            logits_from: context.len() - 1,
+        }) {
+            Ok(receiver) => admitted.push(receiver),
+            Err(ModelError::Overloaded) => refused += 1,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    // Refusals are immediate: eight submissions take no forward pass's time.
+    assert!(
+        started.elapsed() < Duration::from_millis(50),
+        "{:?}",
+        started.elapsed()
+    );
+    // One job runs and one waits (a third may slip in as the first is taken): the
+    // others are refused.
+    assert!(refused >= 5, "refused {refused} of 8 with a queue of 1");
+    for receiver in admitted {
+        let scores = receiver.blocking_recv().unwrap().unwrap();
+        assert_eq!(scores.logits.len(), scores.vocab);
+    }
+}
+
+fn request(sequence: &str, context: &[u32]) -> ScoreRequest {
+    ScoreRequest {
+        sequence: sequence.into(),
+        context: context.to_vec(),
+        logits_from: context.len() - 1,
+    }
+}
+
+#[test]
+fn a_chunked_prompt_gives_the_same_logits_and_shares_its_passes() {
+    let prompt: Vec<u32> = (0..200).map(|i| 3 + (i * 7 % 250)).collect();
+    let (_whole_file, whole) = tiny_engine(EngineOptions {
+        prefill_chunk: 0,
+        ..EngineOptions::default()
+    });
+    let expected = whole.engine.score_blocking(request("a", &prompt)).unwrap();
+    let (_file, chunked) = tiny_engine(EngineOptions {
+        prefill_chunk: 16,
+        ..EngineOptions::default()
+    });
+    let long = chunked.engine.submit(request("long", &prompt)).unwrap();
+    let short = chunked.engine.submit(request("short", &[5, 6, 7])).unwrap();
+    let short = short.blocking_recv().unwrap().unwrap();
+    let long = long.blocking_recv().unwrap().unwrap();
+    assert_eq!(long.logits, expected.logits, "chunking must not change a logit");
+    assert_eq!((long.computed, long.reused), (200, 0));
+    // The short job ran beside a chunk of the long prompt, not after all of it.
+    assert_eq!(short.batch_size, 2);
+}
+
+#[test]
+fn two_jobs_for_one_sequence_both_complete() {
+    let (_file, loaded) = tiny_engine(EngineOptions::default());
+    let context: Vec<u32> = (0..40).map(|i| 3 + i).collect();
+    let first = loaded.engine.submit(request("same", &context)).unwrap();
+    let second = loaded.engine.submit(request("same", &context[..30])).unwrap();
+    let third = loaded.engine.submit(request("other", &context)).unwrap();
+    for receiver in [first, second, third] {
+        let scores = receiver.blocking_recv().unwrap().unwrap();
+        assert_eq!(scores.logits.len(), scores.vocab);
+    }
+}
+
+#[test]
+fn a_batch_window_collects_jobs_that_arrive_during_it() {
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        batch_wait: Duration::from_millis(300),
+        ..EngineOptions::default()
+    });
+    let first = loaded.engine.submit(request("a", &[3, 4, 5])).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    let second = loaded.engine.submit(request("b", &[6, 7, 8])).unwrap();
+    for receiver in [first, second] {
+        assert_eq!(receiver.blocking_recv().unwrap().unwrap().batch_size, 2);
+    }
+}
