@@ -2,25 +2,24 @@
 //! quantized, activations are quantised per 32-value block to int8, and each block's integer
 //! dot product is scaled in f32.
 //!
-//! Formats, repacked at load into two kernel families:
-//! - **4-bit** (`scale · q + min`, 16 bytes of nibbles per 32 values): Q4_0, Q4_1 and Q4_K
-//!   (each Q4_K sub-block of 32 becomes one block with its own f32 scale and minimum);
+//! Formats, repacked at load into kernel families:
+//! - **4-bit** (`scale · q + min`, 32 values of nibbles per block): Q4_0, Q4_1 and Q4_K
+//!   (each Q4_K sub-block of 32 becomes one block with its own f16 scale and minimum);
 //! - **8-bit** (`scale · q`): Q8_0, and Q6_K (values `q − 32` as signed bytes, a scale per
 //!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
-//! x86-64 and uses the best it finds): AVX-512 VNNI (two blocks per instruction), AVX2 + FMA,
-//! and a portable version for everything else. Multi-row: each weight block is loaded and
-//! unpacked once for a tile of up to eight activation rows, which is what makes scoring K + 1
-//! tokens cheaper than K + 1 passes. Every output element is computed by the same code, over
+//! x86-64 and uses the best it finds): AVX-512 VNNI (two blocks per instruction) and AVX2 +
+//! FMA, both over weights regrouped as one prefetched stream per 4 weight rows (see
+//! [`Layout::Groups`]), and a portable version over plain rows for everything else.
+//! Multi-row: each weight block is loaded and unpacked once for a tile of up to four
+//! activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1 passes. Every output element is computed by the same code, over
 //! the same blocks, in the same order whatever the number of rows, so results are
 //! batch-invariant.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
-#[cfg(target_arch = "x86_64")]
-mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_groups;
 #[cfg(target_arch = "x86_64")]
@@ -50,7 +49,7 @@ pub enum Family {
 /// How blocks are laid out in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {
-    /// Row after row, block after block (the AVX2 and portable kernels).
+    /// Row after row, block after block (the portable kernels).
     Rows,
     /// For the AVX-512 kernel: groups of [`COL_TILE`] rows (zero-padded), and within a group
     /// each pair of blocks of all its rows together, so the kernel reads one sequential
@@ -310,14 +309,14 @@ impl QuantMatrix {
         }
         let mut column = [0f32; ROW_TILE];
         for c in 0..cols {
-            self.column(kernel, j0 + c, x, r0, count, &mut column);
+            self.column(j0 + c, x, r0, count, &mut column);
             out[c * ROW_TILE..c * ROW_TILE + count].copy_from_slice(&column[..count]);
         }
     }
 
-    /// Dot products of weight row `j` with activation rows `r0..r0 + count` (one weight row at
-    /// a time: the AVX2 and portable kernels).
-    fn column(&self, kernel: Kernel, j: usize, x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
+    /// Dot products of weight row `j` (row layout) with activation rows `r0..r0 + count`:
+    /// the portable kernels.
+    fn column(&self, j: usize, x: &QuantizedRows, r0: usize, count: usize, out: &mut [f32]) {
         let nb = self.k / BLOCK;
         let halves = self.halves();
         let scales = &self.scales[j * nb * halves..(j + 1) * nb * halves];
@@ -325,31 +324,24 @@ impl QuantMatrix {
             Family::Nibbles => {
                 let mins = &self.mins[j * nb..(j + 1) * nb];
                 let quants = &self.quants[j * nb * 16..(j + 1) * nb * 16];
-                match kernel {
-                    // SAFETY: the kernel was detected on this CPU; slices hold `nb` blocks.
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => unsafe { avx2::q4(scales, mins, quants, x, r0, count, out) },
-                    _ => portable::q4(scales, mins, quants, x, r0, count, out),
-                }
+                portable::q4(scales, mins, quants, x, r0, count, out);
             }
-            Family::Bytes => {
-                let quants = &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK];
-                match kernel {
-                    // SAFETY: as above.
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => unsafe { avx2::q8(scales, quants, x, r0, count, out) },
-                    _ => portable::q8(scales, quants, x, r0, count, out),
-                }
-            }
-            Family::Bytes16 => {
-                let quants = &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK];
-                match kernel {
-                    // SAFETY: as above.
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 => unsafe { avx2::q8x16(scales, quants, x, r0, count, out) },
-                    _ => portable::q8x16(scales, quants, x, r0, count, out),
-                }
-            }
+            Family::Bytes => portable::q8(
+                scales,
+                &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK],
+                x,
+                r0,
+                count,
+                out,
+            ),
+            Family::Bytes16 => portable::q8x16(
+                scales,
+                &self.quants[j * nb * BLOCK..(j + 1) * nb * BLOCK],
+                x,
+                r0,
+                count,
+                out,
+            ),
         }
     }
 }
