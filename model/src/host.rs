@@ -355,12 +355,7 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
         laps.lap(Phase::DownMatmul, n);
     }
     // Only the requested rows go through the final norm and the (large) LM head.
-    let mut wanted = Vec::new();
-    let mut row = 0;
-    for step in steps.iter() {
-        wanted.extend(step.logits_at.iter().map(|&i| row + i));
-        row += step.tokens.len();
-    }
+    let wanted = crate::llama::logit_rows(steps);
     let vocab = cfg.vocab_size;
     let mut logits = vec![0f32; wanted.len() * vocab];
     if !wanted.is_empty() {

@@ -60,34 +60,6 @@ impl Linear {
     }
 }
 
-/// Several linears applied to the same input: one quantisation of the input and one pass
-/// over the thread pool when all are packed alike, else one call each.
-fn forward_group<const N: usize>(linears: [&Linear; N], x: &Tensor) -> candle_core::Result<[Tensor; N]> {
-    let packed: Vec<&QuantMatrix> = linears
-        .iter()
-        .filter_map(|l| match l {
-            Linear::Packed(m) => Some(m),
-            Linear::Candle { .. } => None,
-        })
-        .collect();
-    if packed.len() == N && QuantMatrix::compatible(&packed) {
-        let rows = x.dim(0)?;
-        let input = x.flatten_all()?.to_vec1::<f32>()?;
-        let outs = QuantMatrix::matmul_many(&packed, &input, rows);
-        let tensors = outs
-            .into_iter()
-            .zip(&packed)
-            .map(|(out, m)| Tensor::from_vec(out, (rows, m.rows()), x.device()))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        return Ok(tensors.try_into().expect("one output per linear"));
-    }
-    let tensors = linears
-        .iter()
-        .map(|l| l.forward(x))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(tensors.try_into().expect("one output per linear"))
-}
-
 pub(crate) struct Block {
     attn_norm: Tensor,
     pub(crate) attn_norm_host: Vec<f32>,
@@ -239,13 +211,16 @@ impl Llama {
         for step in steps.iter_mut() {
             step.cache.reserve(step.tokens.len())?;
         }
-        if !self.device.is_cpu() {
-            return self.forward_device(steps);
-        }
-        let logits = crate::host::forward(self, steps)?;
-        let vocab = self.cfg.vocab_size;
-        let wanted: usize = steps.iter().map(|s| s.logits_at.len()).sum();
-        let logits = Tensor::from_vec(logits, (wanted, vocab), &Device::Cpu)?;
+        let logits = if self.device.is_cpu() {
+            let wanted: usize = steps.iter().map(|s| s.logits_at.len()).sum();
+            Tensor::from_vec(
+                crate::host::forward(self, steps)?,
+                (wanted, self.cfg.vocab_size),
+                &Device::Cpu,
+            )?
+        } else {
+            self.forward_device(steps)?
+        };
         let mut out = Vec::with_capacity(steps.len());
         let mut start = 0;
         for step in steps.iter_mut() {
@@ -269,15 +244,20 @@ impl Llama {
         Ok(())
     }
 
-    /// The forward pass from candle ops, for non-CPU devices.
-    fn forward_device(&self, steps: &mut [SequenceStep<'_>]) -> Result<Vec<Tensor>> {
+    /// The forward pass from candle ops, for non-CPU devices: the logits rows of every step,
+    /// in order, on the CPU (the caller commits the caches).
+    fn forward_device(&self, steps: &mut [SequenceStep<'_>]) -> Result<Tensor> {
         let all_tokens: Vec<u32> = steps.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let ids = Tensor::new(all_tokens.as_slice(), &self.device)?;
         let mut x = self.token_embd.embedding(&ids)?; // [T, d]
         let eps = self.cfg.rms_eps as f32;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &block.attn_norm, eps)?;
-            let [q, k, v] = forward_group([&block.wq, &block.wk, &block.wv], &h)?;
+            let (q, k, v) = (
+                block.wq.forward(&h)?,
+                block.wk.forward(&h)?,
+                block.wv.forward(&h)?,
+            );
             let mut outputs = Vec::with_capacity(steps.len());
             let mut row = 0;
             for step in steps.iter_mut() {
@@ -295,32 +275,17 @@ impl Llama {
             let attn = Tensor::cat(&outputs, 0)?;
             x = (x + block.wo.forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
-            let [gate, up] = forward_group([&block.w_gate, &block.w_up], &h)?;
-            let gated = (candle_nn::ops::silu(&gate)? * up)?;
+            let gated = (candle_nn::ops::silu(&block.w_gate.forward(&h)?)? * block.w_up.forward(&h)?)?;
             x = (x + block.w_down.forward(&gated)?)?;
         }
         // Only the requested rows go through the final norm and the (large) LM head.
-        let mut wanted = Vec::new();
-        let mut row = 0u32;
-        for step in steps.iter() {
-            wanted.extend(step.logits_at.iter().map(|&i| row + i as u32));
-            row += step.tokens.len() as u32;
+        let wanted: Vec<u32> = logit_rows(steps).into_iter().map(|r| r as u32).collect();
+        if wanted.is_empty() {
+            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &Device::Cpu)?);
         }
-        let logits = if wanted.is_empty() {
-            Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &Device::Cpu)?
-        } else {
-            let rows = x.index_select(&Tensor::new(wanted.as_slice(), &self.device)?, 0)?;
-            let rows = candle_nn::ops::rms_norm(&rows, &self.output_norm, eps)?;
-            self.lm_head.forward(&rows)?.to_device(&Device::Cpu)?
-        };
-        let mut out = Vec::with_capacity(steps.len());
-        let mut start = 0;
-        for step in steps.iter_mut() {
-            step.cache.commit(step.tokens);
-            out.push(logits.narrow(0, start, step.logits_at.len())?);
-            start += step.logits_at.len();
-        }
-        Ok(out)
+        let rows = x.index_select(&Tensor::new(wanted.as_slice(), &self.device)?, 0)?;
+        let rows = candle_nn::ops::rms_norm(&rows, &self.output_norm, eps)?;
+        Ok(self.lm_head.forward(&rows)?.to_device(&Device::Cpu)?)
     }
 
     fn validate(&self, steps: &[SequenceStep<'_>]) -> Result<()> {
@@ -403,6 +368,17 @@ impl Llama {
         };
         Ok((rotate(q)?, rotate(k)?))
     }
+}
+
+/// Rows of a batched pass (steps' tokens one after another) whose logits are wanted, in order.
+pub(crate) fn logit_rows(steps: &[SequenceStep<'_>]) -> Vec<usize> {
+    let mut wanted = Vec::new();
+    let mut row = 0;
+    for step in steps {
+        wanted.extend(step.logits_at.iter().map(|&i| row + i));
+        row += step.tokens.len();
+    }
+    wanted
 }
 
 /// Interleaved (GPT-J style) rotary tables, the layout llama.cpp's GGUF conversion expects.
