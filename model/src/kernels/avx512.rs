@@ -34,6 +34,31 @@ fn spread(low: __m128) -> __m512 {
     _mm512_permutexvar_ps(index, _mm512_castps128_ps512(low))
 }
 
+/// For activation rows `r0..r0 + R`: blocks `b` (and `b + 1` when `two`) and their scales
+/// as [`pair_of`] spreads them.
+///
+/// # Safety
+/// As [`load_x`], for every row.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load_rows<const R: usize>(
+    x: &QuantizedRows,
+    r0: usize,
+    b: usize,
+    two: bool,
+) -> ([__m512i; R], [__m512; R]) {
+    let mut quants = [_mm512_setzero_si512(); R];
+    let mut scales = [_mm512_setzero_ps(); R];
+    for t in 0..R {
+        // SAFETY: the caller guarantees rows r0..r0 + R hold these blocks.
+        unsafe {
+            quants[t] = load_x(x, r0 + t, b, two);
+            scales[t] = pair_of(x.scales.as_ptr().add((r0 + t) * x.blocks + b), two);
+        }
+    }
+    (quants, scales)
+}
+
 /// Activation blocks `b` (and `b + 1` when `two`) of row `r`: 64 (or 32, zero-extended) bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -92,15 +117,8 @@ pub unsafe fn q4_group<const R: usize>(
         prefetch(w, record, BLOCK);
         // SAFETY: the record is in bounds (checked above).
         let scales = unsafe { _mm512_castps256_ps512(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE))) };
-        let mut xq = [_mm512_setzero_si512(); R];
-        let mut dx = [_mm512_setzero_ps(); R];
-        for t in 0..R {
-            // SAFETY: blocks of row r0 + t are in bounds (checked above).
-            unsafe {
-                xq[t] = load_x(x, r0 + t, b, two);
-                dx[t] = pair_of(x.scales.as_ptr().add((r0 + t) * nb + b), two);
-            }
-        }
+        // SAFETY: blocks of rows r0..r0 + R are in bounds (checked above).
+        let (xq, dx) = unsafe { load_rows::<R>(x, r0, b, two) };
         for c in 0..COL_TILE {
             // SAFETY: as above; 32 bytes per weight row.
             let raw = unsafe {
@@ -179,15 +197,8 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
                 _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
             }
         };
-        let mut xq = [_mm512_setzero_si512(); R];
-        let mut dx = [_mm512_setzero_ps(); R];
-        for t in 0..R {
-            // SAFETY: blocks of row r0 + t are in bounds (checked above).
-            unsafe {
-                xq[t] = load_x(x, r0 + t, b, two);
-                dx[t] = pair_of(x.scales.as_ptr().add((r0 + t) * nb + b), two);
-            }
-        }
+        // SAFETY: blocks of rows r0..r0 + R are in bounds (checked above).
+        let (xq, dx) = unsafe { load_rows::<R>(x, r0, b, two) };
         for c in 0..COL_TILE {
             // SAFETY: as above; 64 bytes per weight row.
             let raw = unsafe {
