@@ -408,24 +408,51 @@ impl Worker {
     /// Adds a job to the batch being formed (a prompt perhaps only in part), defers it to a
     /// later pass, or answers it at once if it is invalid.
     fn admit(&mut self, job: Job, batch: &mut Vec<Planned>, tokens: &mut Budget) {
-        let (request, reply, queued_at, prefilled) = match job {
+        let request = match &job {
             Job::Release { sequence } => {
-                self.cache.remove(&sequence);
+                self.cache.remove(sequence);
                 return;
             }
-            Job::Score {
-                request,
-                reply,
-                queued_at,
-                prefilled,
-            } => (request, reply, queued_at, prefilled),
-        };
-        if reply.is_closed() {
             // The caller gave up (deadline, disconnect) while the job waited: skip it.
-            return;
-        }
+            Job::Score { reply, .. } if reply.is_closed() => return,
+            Job::Score { request, .. } => request,
+        };
         if batch.iter().any(|p| p.sequence == request.sequence) {
             // One sequence appears once per pass; it goes in the next one.
+            self.deferred.push_back(job);
+            return;
+        }
+        let planned = self.plan(request);
+        let Job::Score {
+            request,
+            reply,
+            queued_at,
+            prefilled,
+        } = job
+        else {
+            unreachable!("releases returned above")
+        };
+        let (cache, mut new_tokens, mut logits_at, reused) = match planned {
+            Ok(planned) => planned,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        // Tokens before the first logit are prompt: they spend the pass's prefill budget.
+        // What does not fit runs in later passes.
+        let prompt = logits_at.first().copied().unwrap_or(new_tokens.len());
+        let resume = if prompt <= tokens.prefill_left {
+            tokens.prefill_left -= prompt;
+            None
+        } else if tokens.prefill_left > 0 {
+            new_tokens.truncate(tokens.prefill_left);
+            logits_at.clear();
+            tokens.prefill_left = 0;
+            Some(request.clone())
+        } else {
+            // No budget left in this pass: the cache goes back, the job to the next pass.
+            self.cache.put(request.sequence.clone(), cache);
             self.deferred.push_back(Job::Score {
                 request,
                 reply,
@@ -433,48 +460,19 @@ impl Worker {
                 prefilled,
             });
             return;
-        }
-        match self.plan(&request) {
-            Ok((cache, mut new_tokens, mut logits_at, reused)) => {
-                // Tokens before the first logit are prompt: they spend the pass's prefill
-                // budget. What does not fit runs in later passes.
-                let prompt = logits_at.first().copied().unwrap_or(new_tokens.len());
-                let resume = if prompt > tokens.prefill_left {
-                    if tokens.prefill_left == 0 {
-                        self.cache.put(request.sequence.clone(), cache);
-                        self.deferred.push_back(Job::Score {
-                            request,
-                            reply,
-                            queued_at,
-                            prefilled,
-                        });
-                        return;
-                    }
-                    new_tokens.truncate(tokens.prefill_left);
-                    logits_at.clear();
-                    tokens.prefill_left = 0;
-                    Some(request.clone())
-                } else {
-                    tokens.prefill_left -= prompt;
-                    None
-                };
-                tokens.total += new_tokens.len();
-                batch.push(Planned {
-                    sequence: request.sequence,
-                    cache,
-                    new_tokens,
-                    logits_at,
-                    reused,
-                    reply,
-                    queued_at,
-                    prefilled,
-                    resume,
-                });
-            }
-            Err(e) => {
-                let _ = reply.send(Err(e));
-            }
-        }
+        };
+        tokens.total += new_tokens.len();
+        batch.push(Planned {
+            sequence: request.sequence,
+            cache,
+            new_tokens,
+            logits_at,
+            reused,
+            reply,
+            queued_at,
+            prefilled,
+            resume,
+        });
     }
 
     #[allow(clippy::type_complexity)]
