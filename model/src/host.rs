@@ -1,5 +1,6 @@
-//! The llama forward pass on the CPU over plain f32 buffers. Everything a pass needs is in a
-//! [`Scratch`] sized once and reused, so decoding allocates nothing per op: RMS norm feeds
+//! The llama forward pass on the CPU over plain f32 buffers. The activation buffers of a
+//! pass are in a [`Scratch`] sized once and reused (what is still allocated per op is a few
+//! small index lists, and per pass the final rows and the logits): RMS norm feeds
 //! one int8 quantisation of the activations shared by every matrix that reads them (Q, K
 //! and V in one pass over the thread pool; gate and up in another), rotary embedding is
 //! applied in place, SiLU·up is one loop, and the attention output and FFN products are
