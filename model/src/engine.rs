@@ -112,6 +112,10 @@ enum Job {
         queued_at: Instant,
         /// Prompt tokens earlier passes computed for this job (chunked prefill).
         prefilled: usize,
+        /// The cache those passes built. It travels with the job, not in the cache store, so
+        /// eviction between chunks cannot undo them (two prompts evicting each other's
+        /// caches would never finish).
+        partial: Option<KvCache>,
     },
     Release {
         sequence: String,
@@ -275,6 +279,7 @@ impl Engine {
             reply,
             queued_at: Instant::now(),
             prefilled: 0,
+            partial: None,
         };
         self.waiting.fetch_add(1, Ordering::Relaxed);
         match self.jobs.try_send(job) {
@@ -422,17 +427,17 @@ impl Worker {
             self.deferred.push_back(job);
             return;
         }
-        let planned = self.plan(request);
         let Job::Score {
             request,
             reply,
             queued_at,
             prefilled,
+            partial,
         } = job
         else {
             unreachable!("releases returned above")
         };
-        let (cache, mut new_tokens, mut logits_at, reused) = match planned {
+        let (cache, mut new_tokens, mut logits_at, reused) = match self.plan(&request, partial) {
             Ok(planned) => planned,
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -451,13 +456,13 @@ impl Worker {
             tokens.prefill_left = 0;
             Some(request.clone())
         } else {
-            // No budget left in this pass: the cache goes back, the job to the next pass.
-            self.cache.put(request.sequence.clone(), cache);
+            // No budget left in this pass: the job, with its cache, waits for the next.
             self.deferred.push_back(Job::Score {
                 request,
                 reply,
                 queued_at,
                 prefilled,
+                partial: Some(cache),
             });
             return;
         };
@@ -476,7 +481,11 @@ impl Worker {
     }
 
     #[allow(clippy::type_complexity)]
-    fn plan(&mut self, request: &ScoreRequest) -> Result<(KvCache, Vec<u32>, Vec<usize>, usize)> {
+    fn plan(
+        &mut self,
+        request: &ScoreRequest,
+        partial: Option<KvCache>,
+    ) -> Result<(KvCache, Vec<u32>, Vec<usize>, usize)> {
         let cfg = self.llama.config();
         let len = request.context.len();
         if request.logits_from >= len {
@@ -497,7 +506,7 @@ impl Worker {
                 vocab: cfg.vocab_size,
             });
         }
-        let mut cache = match self.cache.take(&request.sequence) {
+        let mut cache = match partial.or_else(|| self.cache.take(&request.sequence)) {
             Some(cache) => cache,
             None => self.llama.new_cache()?,
         };
@@ -538,12 +547,12 @@ impl Worker {
                 let mut resumed = Vec::new();
                 for (planned, logits) in batch.into_iter().zip(all_logits) {
                     if let Some(request) = planned.resume {
-                        self.cache.put(planned.sequence, planned.cache);
                         resumed.push(Job::Score {
                             request,
                             reply: planned.reply,
                             queued_at: planned.queued_at,
                             prefilled: planned.prefilled + planned.new_tokens.len(),
+                            partial: Some(planned.cache),
                         });
                         continue;
                     }
@@ -554,7 +563,7 @@ impl Worker {
                         .map(|logits| Scores {
                             logits,
                             vocab,
-                            reused: planned.reused - planned.prefilled,
+                            reused: planned.reused.saturating_sub(planned.prefilled),
                             computed: planned.new_tokens.len() + planned.prefilled,
                             batch_size,
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),

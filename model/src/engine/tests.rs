@@ -106,3 +106,28 @@ fn a_batch_window_collects_jobs_that_arrive_during_it() {
         assert_eq!(receiver.blocking_recv().unwrap().unwrap().batch_size, 2);
     }
 }
+
+#[test]
+fn chunked_prompts_survive_their_caches_being_evicted_between_chunks() {
+    // A one-byte cache bound keeps only the most recently used cache, so of two prompts
+    // chunked side by side one loses its earlier chunks every pass and recomputes them.
+    let prompt_a: Vec<u32> = (0..120).map(|i| 3 + (i * 7 % 250)).collect();
+    let prompt_b: Vec<u32> = (0..120).map(|i| 3 + (i * 11 % 250)).collect();
+    let (_whole_file, whole) = tiny_engine(EngineOptions::default());
+    let expected_a = whole.engine.score_blocking(request("a", &prompt_a)).unwrap();
+    let expected_b = whole.engine.score_blocking(request("b", &prompt_b)).unwrap();
+    let (_file, tight) = tiny_engine(EngineOptions {
+        prefill_chunk: 16,
+        max_cache_bytes: 1,
+        ..EngineOptions::default()
+    });
+    let a = tight.engine.submit(request("a", &prompt_a)).unwrap();
+    let b = tight.engine.submit(request("b", &prompt_b)).unwrap();
+    let (a, b) = (
+        a.blocking_recv().unwrap().unwrap(),
+        b.blocking_recv().unwrap().unwrap(),
+    );
+    assert_eq!(a.logits, expected_a.logits);
+    assert_eq!(b.logits, expected_b.logits);
+    assert!(a.reused <= prompt_a.len() && b.reused <= prompt_b.len());
+}
