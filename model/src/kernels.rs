@@ -9,13 +9,13 @@
 //!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
-//! x86-64 and uses the best it finds): AVX-512 VNNI (two blocks per instruction) and AVX2 +
-//! FMA, both over weights regrouped as one prefetched stream per 4 weight rows (see
-//! [`Layout::Groups`]), and a portable version over plain rows for everything else.
-//! Multi-row: each weight block is loaded and unpacked once for a tile of up to four
-//! activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1 passes. Every output element is computed by the same code, over
-//! the same blocks, in the same order whatever the number of rows, so results are
-//! batch-invariant.
+//! x86-64 and uses the best it finds): AVX-512 VNNI (8 blocks per instruction, see
+//! [`Layout::Lanes`]) and AVX2 + FMA (see [`Layout::Groups`]), both over weights regrouped as
+//! one prefetched stream per 4 weight rows, and a portable version over plain rows for
+//! everything else. Multi-row: each weight block is loaded and unpacked once for a tile of
+//! up to eight activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1
+//! passes. Every output element is computed by the same code, over the same blocks, in the
+//! same order whatever the number of rows, so results are batch-invariant.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -30,10 +30,12 @@ mod portable;
 mod repack;
 
 /// Rows of activations processed against each unpacked weight block.
-const ROW_TILE: usize = 4;
+const ROW_TILE: usize = 8;
 /// Weight rows (output columns) processed together, for independent accumulators.
 const COL_TILE: usize = 4;
 const BLOCK: usize = 32;
+/// Bytes of one row's interleaved activations per block pair (see [`Layout::Lanes`]).
+const LANE_PAIR_BYTES: usize = 2 * BLOCK;
 
 /// How a repacked matrix's blocks are stored, and so which kernel multiplies them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,12 +53,20 @@ pub enum Family {
 enum Layout {
     /// Row after row, block after block (the portable kernels).
     Rows,
-    /// For the AVX-512 kernel: groups of [`COL_TILE`] rows (zero-padded), and within a group
-    /// each pair of blocks of all its rows together, so the kernel reads one sequential
-    /// stream. Per group and pair: the rows' quants (4-bit: 32 bytes per row, byte i holding
-    /// value i of the first block in its low nibble and of the second in its high nibble;
-    /// 8-bit: the two blocks' 64 bytes), then `[row][block]` f16 scales and minimums.
+    /// For the AVX2 kernels: groups of [`COL_TILE`] rows (zero-padded), and within a group
+    /// each pair of blocks of all its rows together (a record), so the kernel reads one
+    /// sequential stream. Per record: the rows' quants (4-bit: 32 bytes per row, byte i
+    /// holding value i of the first block in its low nibble and of the second in its high
+    /// nibble; 8-bit: the two blocks' 64 bytes), then `[row][block]` f16 scales and minimums
+    /// (Q6_K: `[row][block][half]` scales).
     Groups,
+    /// For the AVX-512 kernels: the records of [`Layout::Groups`], with the 8 blocks of a
+    /// record ("slots" s = 2 · row + block) interleaved across four 64-byte registers:
+    /// register j holds, for every slot, values `4j..4j + 4` and `16 + 4j..16 + 4j + 4` at
+    /// bytes `8s..8s + 8`. One `vpdpbusd` lane then always sums values of one half block.
+    /// 4-bit: registers 0 and 1 share 64 bytes (low and high nibbles), as do 2 and 3; 8-bit:
+    /// four 64-byte registers of values offset by 128 (unsigned). Metadata as in `Groups`.
+    Lanes,
 }
 
 /// A weight matrix `[n, k]` repacked for the kernels: per-block scales (and minimums) as f16
@@ -84,6 +94,15 @@ pub struct QuantizedRows {
     scales: Vec<f32>,
     sums: Vec<f32>,
     quants: Vec<i8>,
+    /// For the AVX-512 kernels (filled when they are the ones quantising): per row and block
+    /// pair, the values interleaved as [`Layout::Lanes`] reads them (64 bytes: for j in
+    /// 0..4, 8 bytes of the first block then 8 of the second, each as in a weight slot), the
+    /// scales `[d₀, d₀, d₁, d₁]` and `−128 · Σ` over each half block (the correction of
+    /// offset 8-bit weights), in the lane order of one 128-bit lane.
+    lane_quants: Vec<i8>,
+    lane_scales: Vec<f32>,
+    lane_offsets: Vec<i32>,
+    lanes_ready: bool,
 }
 
 fn read_f16(bytes: &[u8], at: usize) -> u16 {
@@ -110,10 +129,10 @@ impl QuantMatrix {
         let (n, k) = tensor.shape().dims2().ok()?;
         let data = tensor.data().ok()?;
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
-        Some(if kernel != Kernel::Portable {
-            matrix.into_groups()
-        } else {
-            matrix
+        Some(match kernel {
+            Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
+            Kernel::Avx2 => matrix.into_layout(Layout::Groups),
+            Kernel::Portable => matrix,
         })
     }
 
@@ -243,70 +262,78 @@ impl QuantMatrix {
         count: usize,
         out: &mut [f32],
     ) {
+        #[cfg(target_arch = "x86_64")]
         if self.layout == Layout::Groups {
             assert!(
                 kernel != Kernel::Portable && j0.is_multiple_of(COL_TILE),
                 "grouped weights need a SIMD kernel"
             );
-            #[cfg(target_arch = "x86_64")]
-            if kernel == Kernel::Avx2 {
-                let group = j0 / COL_TILE;
-                let mut t = 0;
-                while t < count {
-                    let two = count - t >= 2;
-                    // SAFETY: grouped weights for AVX2 exist only when the CPU has AVX2, FMA
-                    // and F16C (see `from_qtensor_for`); the kernel checks every bound it uses.
-                    unsafe {
-                        match (self.family, two) {
-                            (Family::Nibbles, true) => {
-                                avx2_groups::q4_group::<2>(self, group, x, r0 + t, t, out)
-                            }
-                            (Family::Nibbles, false) => {
-                                avx2_groups::q4_group::<1>(self, group, x, r0 + t, t, out)
-                            }
-                            (Family::Bytes, true) => {
-                                avx2_groups::q8_group::<2, 1>(self, group, x, r0 + t, t, out)
-                            }
-                            (Family::Bytes, false) => {
-                                avx2_groups::q8_group::<1, 1>(self, group, x, r0 + t, t, out)
-                            }
-                            (Family::Bytes16, true) => {
-                                avx2_groups::q8_group::<2, 2>(self, group, x, r0 + t, t, out)
-                            }
-                            (Family::Bytes16, false) => {
-                                avx2_groups::q8_group::<1, 2>(self, group, x, r0 + t, t, out)
-                            }
+            let group = j0 / COL_TILE;
+            let mut t = 0;
+            while t < count {
+                let two = count - t >= 2;
+                // SAFETY: grouped weights exist only when the CPU has AVX2, FMA and F16C (see
+                // `from_qtensor_for`); the kernel checks every bound it uses.
+                unsafe {
+                    match (self.family, two) {
+                        (Family::Nibbles, true) => avx2_groups::q4_group::<2>(self, group, x, r0 + t, t, out),
+                        (Family::Nibbles, false) => {
+                            avx2_groups::q4_group::<1>(self, group, x, r0 + t, t, out)
+                        }
+                        (Family::Bytes, true) => {
+                            avx2_groups::q8_group::<2, 1>(self, group, x, r0 + t, t, out)
+                        }
+                        (Family::Bytes, false) => {
+                            avx2_groups::q8_group::<1, 1>(self, group, x, r0 + t, t, out)
+                        }
+                        (Family::Bytes16, true) => {
+                            avx2_groups::q8_group::<2, 2>(self, group, x, r0 + t, t, out)
+                        }
+                        (Family::Bytes16, false) => {
+                            avx2_groups::q8_group::<1, 2>(self, group, x, r0 + t, t, out)
                         }
                     }
-                    t += if two { 2 } else { 1 };
                 }
-                return;
+                t += if two { 2 } else { 1 };
             }
-            #[cfg(target_arch = "x86_64")]
-            {
-                macro_rules! rows {
-                    ($f:ident $(, $halves:literal)?) => {
-                        // SAFETY: grouped weights exist only when the CPU has AVX-512 VNNI
-                        // (see `from_qtensor_for`); the kernel checks every bound it uses.
-                        unsafe {
-                            match count {
-                                4 => avx512::$f::<4 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
-                                3 => avx512::$f::<3 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
-                                2 => avx512::$f::<2 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
-                                _ => avx512::$f::<1 $(, $halves)?>(self, j0 / COL_TILE, x, r0, out),
-                            }
-                        }
-                    };
-                }
-                match self.family {
-                    Family::Nibbles => rows!(q4_group),
-                    Family::Bytes => rows!(q8_group, 1),
-                    Family::Bytes16 => rows!(q8_group, 2),
-                }
-            }
-            let _ = cols;
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.layout == Layout::Lanes {
+            assert!(
+                kernel == Kernel::Avx512Vnni && j0.is_multiple_of(COL_TILE),
+                "weights in the lane layout need the AVX-512 kernels"
+            );
+            let group = j0 / COL_TILE;
+            macro_rules! rows {
+                ($f:ident $(, $halves:literal)?) => {
+                    // SAFETY: lane-layout weights exist only when the CPU has AVX-512 VNNI
+                    // (see `from_qtensor_for`); the kernel checks every bound it uses.
+                    unsafe {
+                        match count {
+                            8 => avx512::$f::<8 $(, $halves)?>(self, group, x, r0, out),
+                            7 => avx512::$f::<7 $(, $halves)?>(self, group, x, r0, out),
+                            6 => avx512::$f::<6 $(, $halves)?>(self, group, x, r0, out),
+                            5 => avx512::$f::<5 $(, $halves)?>(self, group, x, r0, out),
+                            4 => avx512::$f::<4 $(, $halves)?>(self, group, x, r0, out),
+                            3 => avx512::$f::<3 $(, $halves)?>(self, group, x, r0, out),
+                            2 => avx512::$f::<2 $(, $halves)?>(self, group, x, r0, out),
+                            _ => avx512::$f::<1 $(, $halves)?>(self, group, x, r0, out),
+                        }
+                    }
+                };
+            }
+            match self.family {
+                Family::Nibbles => rows!(q4_lanes),
+                Family::Bytes => rows!(q8_lanes, 1),
+                Family::Bytes16 => rows!(q8_lanes, 2),
+            }
+            return;
+        }
+        assert!(
+            self.layout == Layout::Rows,
+            "no kernel for this layout on this CPU"
+        );
         let mut column = [0f32; ROW_TILE];
         for c in 0..cols {
             self.column(j0 + c, x, r0, count, &mut column);
@@ -440,11 +467,31 @@ impl QuantizedRows {
         self.sums.clear();
         self.quants.clear();
         self.quants.resize(m * k, 0);
+        self.lanes_ready = false;
         #[cfg(target_arch = "x86_64")]
         match kernel {
-            // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
             Kernel::Avx512Vnni => {
-                unsafe { avx512::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
+                let pairs = m * blocks.div_ceil(2);
+                self.lane_scales.clear();
+                self.lane_scales.resize(4 * pairs, 0.0);
+                self.lane_quants.clear();
+                self.lane_quants.resize(pairs * LANE_PAIR_BYTES, 0);
+                self.lane_offsets.clear();
+                self.lane_offsets.resize(4 * pairs, 0);
+                // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
+                unsafe {
+                    avx512::quantize(
+                        x,
+                        blocks,
+                        &mut self.quants,
+                        &mut self.scales,
+                        &mut self.sums,
+                        &mut self.lane_quants,
+                        &mut self.lane_scales,
+                        &mut self.lane_offsets,
+                    )
+                };
+                self.lanes_ready = true;
                 return;
             }
             Kernel::Avx2 => {

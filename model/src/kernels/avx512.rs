@@ -1,103 +1,106 @@
-//! AVX-512 VNNI kernels over weights in the grouped layout (see `Layout::Groups`): one
-//! sequential stream per group of 4 weight rows, two 32-value blocks per 512-bit register and
-//! `vpdpbusd` (unsigned × signed bytes summed into 32-bit lanes in one instruction). A group
-//! × up to 4 activation rows keeps 16 independent accumulators in registers, so one-token
-//! decode is not bound by the latency of one accumulation chain. Each output element's
-//! arithmetic is the same whatever the number of rows, so results are batch-invariant.
+//! AVX-512 VNNI kernels over weights in the lane layout (see `Layout::Lanes`). A record holds
+//! two 32-value blocks of 4 weight rows (8 "slots"); each of its four 512-bit registers holds
+//! 8 values of every slot, so `vpdpbusd` works on all 8 blocks at once and four of them sum a
+//! whole record into one register per activation row: each 32-bit lane then holds the
+//! integer dot product over 16 values of one block. The int → float conversion and the
+//! scaling, which dominate when several activation rows share the weights, run once per
+//! record and row rather than once per block pair, weight row and activation row. The
+//! activations come interleaved to match (see `QuantizedRows::lane_quants`), so each register
+//! of them is one 16-byte broadcast. Each output element's arithmetic is the same whatever the
+//! number of rows, so results are batch-invariant.
 
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
 use super::groups::{check, prefetch};
-use super::{BLOCK, COL_TILE, QuantMatrix, QuantizedRows, ROW_TILE};
+use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
-/// `[v[0]; 8] ++ [v[1]; 8]` from two consecutive floats (the second is zero when `two` is
-/// false).
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn pair_of(v: *const f32, two: bool) -> __m512 {
-    let low = unsafe {
-        if two {
-            _mm_castpd_ps(_mm_load_sd(v as *const f64))
-        } else {
-            _mm_load_ss(v)
-        }
-    };
-    spread(low)
-}
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn spread(low: __m128) -> __m512 {
-    let index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm512_permutexvar_ps(index, _mm512_castps128_ps512(low))
-}
-
-/// For activation rows `r0..r0 + R`: blocks `b` (and `b + 1` when `two`) and their scales
-/// as [`pair_of`] spreads them.
-///
-/// # Safety
-/// As [`load_x`], for every row.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn load_rows<const R: usize>(
-    x: &QuantizedRows,
-    r0: usize,
-    b: usize,
-    two: bool,
-) -> ([__m512i; R], [__m512; R]) {
-    let mut quants = [_mm512_setzero_si512(); R];
-    let mut scales = [_mm512_setzero_ps(); R];
-    for t in 0..R {
-        // SAFETY: the caller guarantees rows r0..r0 + R hold these blocks.
-        unsafe {
-            quants[t] = load_x(x, r0 + t, b, two);
-            scales[t] = pair_of(x.scales.as_ptr().add((r0 + t) * x.blocks + b), two);
-        }
-    }
-    (quants, scales)
-}
-
-/// Activation blocks `b` (and `b + 1` when `two`) of row `r`: 64 (or 32, zero-extended) bytes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn load_x(x: &QuantizedRows, r: usize, b: usize, two: bool) -> __m512i {
-    let p = unsafe { x.quants.as_ptr().add((r * x.blocks + b) * BLOCK) };
-    unsafe {
-        if two {
-            _mm512_loadu_si512(p as *const __m512i)
-        } else {
-            _mm512_zextsi256_si512(_mm256_loadu_si256(p as *const __m256i))
-        }
-    }
-}
-
-/// The group's f16 metadata for one pair, `[row][block]`, as 8 floats.
+/// The group's f16 metadata for one record, `[row][block]`, as 8 floats.
 #[inline]
 #[target_feature(enable = "avx512f,f16c")]
 unsafe fn meta8(v: *const u16) -> __m256 {
     unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i)) }
 }
 
-/// For weight row c of a group: lanes 0..8 = scale of its first block, 8..16 = of its second.
+/// Slot scales `[row][block]` spread to their two lanes each (lanes 2s and 2s + 1).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn row_pair(meta: __m512, c: usize) -> __m512 {
-    let (a, b) = (2 * c as i32, 2 * c as i32 + 1);
-    _mm512_permutexvar_ps(
-        _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a),
-        meta,
-    )
+fn spread_slots(meta: __m256) -> __m512 {
+    let index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    _mm512_permutexvar_ps(index, _mm512_castps256_ps512(meta))
+}
+
+/// Bounds of the interleaved activations every kernel reads.
+fn check_lanes(x: &QuantizedRows, r0: usize, rows: usize) {
+    let pairs = x.blocks.div_ceil(2);
+    assert!(
+        x.lanes_ready
+            && x.lane_quants.len() >= (r0 + rows) * pairs * LANE_PAIR_BYTES
+            && x.lane_scales.len() >= (r0 + rows) * pairs * 4
+            && x.lane_offsets.len() >= (r0 + rows) * pairs * 4,
+        "activations must be quantised for the AVX-512 kernels"
+    );
+}
+
+/// One record's integer dot products with activation row `r`'s pair `p`: lane 4c + 2h + l
+/// holds Σ over values 16l..16l + 16 of block 2p + h, weight row c. `start` is the initial
+/// accumulator (the unsigned-offset correction of 8-bit weights, else zero).
+///
+/// # Safety
+/// The CPU must have AVX-512 F and VNNI; row `r`'s pair `p` must exist (checked by callers).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn record_dot(
+    weights: &[__m512i; 4],
+    x: &QuantizedRows,
+    r: usize,
+    p: usize,
+    start: __m512i,
+) -> __m512i {
+    let pairs = x.blocks.div_ceil(2);
+    // SAFETY: 64 bytes per (row, pair), in bounds (checked by the caller).
+    let at = unsafe { x.lane_quants.as_ptr().add((r * pairs + p) * LANE_PAIR_BYTES) };
+    let mut dot = start;
+    for j in 0..4 {
+        // SAFETY: as above; 16 bytes at 16 j.
+        let xs = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
+        dot = _mm512_dpbusd_epi32(dot, weights[j], xs);
+    }
+    dot
+}
+
+/// Row `r`'s block scales for pair `p`, `[d_2p, d_2p, d_2p+1, d_2p+1]` in every 128-bit lane.
+///
+/// # Safety
+/// As [`record_dot`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair_scales(x: &QuantizedRows, r: usize, p: usize) -> __m512 {
+    let pairs = x.blocks.div_ceil(2);
+    unsafe { _mm512_broadcast_f32x4(_mm_loadu_ps(x.lane_scales.as_ptr().add((r * pairs + p) * 4))) }
+}
+
+/// Sums each 128-bit lane (weight row c) of `acc` into `out[c]`: `(l0 + l1) + (l2 + l3)`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lane_sums(acc: __m512) -> [f32; 16] {
+    let pairs = _mm512_add_ps(acc, _mm512_permute_ps::<0b10_11_00_01>(acc));
+    let quads = _mm512_add_ps(pairs, _mm512_permute_ps::<0b01_00_11_10>(pairs));
+    let mut lanes = [0f32; 16];
+    // SAFETY: sixteen floats.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), quads) };
+    lanes
 }
 
 /// 4-bit weights (`scale · q + min`) × int8 activations, for weight rows
 /// `4 · group .. 4 · group + 4` and activation rows `r0..r0 + R`; `out[c * ROW_TILE + t]`.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of the 4-bit family.
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the lane layout and of the
+/// 4-bit family.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q4_group<const R: usize>(
+pub unsafe fn q4_lanes<const R: usize>(
     w: &QuantMatrix,
     group: usize,
     x: &QuantizedRows,
@@ -105,34 +108,40 @@ pub unsafe fn q4_group<const R: usize>(
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, BLOCK);
+    check_lanes(x, r0, R);
     assert!(w.mins.len() == w.scales.len());
     let nb = x.blocks;
     let pairs = nb.div_ceil(2);
-    // 16 accumulators, the rows' activations and scales, one weight row at a time: within
-    // AVX-512's 32 registers, so nothing spills to the stack in the hot loop.
-    let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
+    // One accumulator per activation row (up to 8), four weight registers, the scales: well
+    // within AVX-512's 32 registers.
+    let mut acc = [_mm512_setzero_ps(); R];
     let low_nibbles = _mm512_set1_epi8(0x0F);
     for p in 0..pairs {
-        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
+        let record = group * pairs + p;
         prefetch(w, record, BLOCK);
-        // SAFETY: the record is in bounds (checked above).
-        let scales = unsafe { _mm512_castps256_ps512(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE))) };
-        // SAFETY: blocks of rows r0..r0 + R are in bounds (checked above).
-        let (xq, dx) = unsafe { load_rows::<R>(x, r0, b, two) };
-        for c in 0..COL_TILE {
-            // SAFETY: as above; 32 bytes per weight row.
-            let raw = unsafe {
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                    w.quants.as_ptr().add((record * COL_TILE + c) * BLOCK) as *const __m256i,
-                ))
+        // SAFETY: the record is in bounds (checked above): 8 f16 scales and 128 bytes.
+        let (dw, weights) = unsafe {
+            let dw = spread_slots(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE)));
+            let q = w.quants.as_ptr().add(record * 4 * BLOCK);
+            let first = _mm512_loadu_si512(q as *const __m512i);
+            let second = _mm512_loadu_si512(q.add(64) as *const __m512i);
+            let weights = [
+                _mm512_and_si512(first, low_nibbles),
+                _mm512_and_si512(_mm512_srli_epi16(first, 4), low_nibbles),
+                _mm512_and_si512(second, low_nibbles),
+                _mm512_and_si512(_mm512_srli_epi16(second, 4), low_nibbles),
+            ];
+            (dw, weights)
+        };
+        for t in 0..R {
+            // SAFETY: row r0 + t's pair p exists (checked above).
+            let (dot, dx) = unsafe {
+                (
+                    record_dot(&weights, x, r0 + t, p, _mm512_setzero_si512()),
+                    pair_scales(x, r0 + t, p),
+                )
             };
-            // Low half: low nibbles (first block); high half: high nibbles (second block).
-            let weights = _mm512_and_si512(_mm512_mask_srli_epi16(raw, 0xFFFF_0000, raw, 4), low_nibbles);
-            let dw = row_pair(scales, c);
-            for t in 0..R {
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights, xq[t]);
-                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[t]), acc[c][t]);
-            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[t]);
         }
     }
     // The minimums' term, Σ min · (activation scale · Σq), in a second, light pass: lanes
@@ -156,24 +165,26 @@ pub unsafe fn q4_group<const R: usize>(
         }
     }
     for t in 0..R {
-        let mut lanes = [0f32; 8];
+        let mut mins = [0f32; 8];
         // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), min_acc[t]) };
+        unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), min_acc[t]) };
+        let sums = lane_sums(acc[t]);
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = _mm512_reduce_add_ps(acc[c][t]) + (lanes[2 * c] + lanes[2 * c + 1]);
+            out[c * ROW_TILE + t] = sums[4 * c] + (mins[2 * c] + mins[2 * c + 1]);
         }
     }
 }
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0)
-/// or per 16 values (`HALVES` = 2, Q6_K). `vpdpbusd` needs an unsigned side: it takes |w|
-/// and x with w's sign (a mask register per weight row). Registers as in [`q4_group`].
+/// or per 16 values (`HALVES` = 2, Q6_K). The weights are stored offset by 128 (`vpdpbusd`
+/// needs an unsigned side); the accumulator starts at −128 · Σx over each lane's values
+/// (`QuantizedRows::lane_offsets`), which removes the offset exactly.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be grouped and of an 8-bit family
-/// with `HALVES` scales per block.
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the lane layout and of an
+/// 8-bit family with `HALVES` scales per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
+pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
     w: &QuantMatrix,
     group: usize,
     x: &QuantizedRows,
@@ -181,70 +192,84 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, 2 * BLOCK);
+    check_lanes(x, r0, R);
     assert!(w.halves() == HALVES);
-    let nb = x.blocks;
-    let pairs = nb.div_ceil(2);
-    let mut acc = [[_mm512_setzero_ps(); R]; COL_TILE];
+    let pairs = x.blocks.div_ceil(2);
+    let mut acc = [_mm512_setzero_ps(); R];
     for p in 0..pairs {
-        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
+        let record = group * pairs + p;
         prefetch(w, record, 2 * BLOCK);
-        // SAFETY: the record's scales are in bounds (checked above).
-        let scales = unsafe {
+        // SAFETY: the record is in bounds (checked above): its scales and 256 bytes.
+        let (dw, weights) = unsafe {
             let at = w.scales.as_ptr().add(record * 2 * HALVES * COL_TILE);
-            if HALVES == 1 {
-                _mm512_castps256_ps512(meta8(at))
-            } else {
-                _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
-            }
-        };
-        // SAFETY: blocks of rows r0..r0 + R are in bounds (checked above).
-        let (xq, dx) = unsafe { load_rows::<R>(x, r0, b, two) };
-        for c in 0..COL_TILE {
-            // SAFETY: as above; 64 bytes per weight row.
-            let raw = unsafe {
-                _mm512_loadu_si512(
-                    w.quants.as_ptr().add((record * COL_TILE + c) * 2 * BLOCK) as *const __m512i
-                )
-            };
-            let magnitude = _mm512_abs_epi8(raw);
-            let negative = _mm512_movepi8_mask(raw);
             let dw = if HALVES == 1 {
-                row_pair(scales, c)
+                spread_slots(meta8(at))
             } else {
-                // Lanes 4i..4i + 4 hold values 16i'.. of block i / 2, half i % 2.
-                let base = 4 * c as i32;
-                let (a, b1, c1, d) = (base, base + 1, base + 2, base + 3);
-                _mm512_permutexvar_ps(
-                    _mm512_set_epi32(d, d, d, d, c1, c1, c1, c1, b1, b1, b1, b1, a, a, a, a),
-                    scales,
+                // Lane 4c + 2h + l: row c, block h, half l: the stored order.
+                _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
+            };
+            let q = w.quants.as_ptr().add(record * 8 * BLOCK);
+            let weights = [0, 1, 2, 3].map(|j| _mm512_loadu_si512(q.add(64 * j) as *const __m512i));
+            (dw, weights)
+        };
+        for t in 0..R {
+            // SAFETY: row r0 + t's pair p exists (checked above).
+            let (dot, dx) = unsafe {
+                let offsets = x.lane_offsets.as_ptr().add(((r0 + t) * pairs + p) * 4);
+                let start = _mm512_broadcast_i32x4(_mm_loadu_si128(offsets as *const __m128i));
+                (
+                    record_dot(&weights, x, r0 + t, p, start),
+                    pair_scales(x, r0 + t, p),
                 )
             };
-            for t in 0..R {
-                let signed = _mm512_mask_sub_epi8(xq[t], negative, _mm512_setzero_si512(), xq[t]);
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed);
-                acc[c][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[t]), acc[c][t]);
-            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[t]);
         }
     }
-    for c in 0..COL_TILE {
-        for t in 0..R {
-            out[c * ROW_TILE + t] = _mm512_reduce_add_ps(acc[c][t]);
+    for t in 0..R {
+        let sums = lane_sums(acc[t]);
+        for c in 0..COL_TILE {
+            out[c * ROW_TILE + t] = sums[4 * c];
         }
     }
 }
 
-/// Quantises 32-value blocks of `x` into `quants` and pushes each block's scale and scaled
-/// sum, with exactly the arithmetic of the portable version (max |x| / 127, multiply by its
-/// inverse, round half to even, f16 scale), sixteen lanes at a time.
+/// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and pushes each block's
+/// scale and scaled sum, with exactly the arithmetic of the portable version (max |x| / 127,
+/// multiply by its inverse, round half to even, f16 scale), sixteen lanes at a time. Also
+/// writes the interleaved copy the lane kernels read: per row and block pair, value v of
+/// block h at byte `16 · (v % 16 / 4) + 8h + 4 · (v / 16) + v % 4`, the pair's scales
+/// `[d_0, d_0, d_1, d_1]` and its offsets `−128 · Σ` over each half block.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F and BW; `quants` must hold `x.len()` values.
+/// The CPU must have AVX-512 F and BW; `quants` must hold `x.len()` values and the lane
+/// buffers `rows · pairs` entries (64 bytes, 4 floats and 4 integers each), zeroed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub unsafe fn quantize(x: &[f32], quants: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn quantize(
+    x: &[f32],
+    blocks: usize,
+    quants: &mut [i8],
+    scales: &mut Vec<f32>,
+    sums: &mut Vec<f32>,
+    lane_quants: &mut [i8],
+    lane_scales: &mut [f32],
+    lane_offsets: &mut [i32],
+) {
     assert!(x.len().is_multiple_of(BLOCK) && quants.len() == x.len());
-    for (chunk, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
+    let pairs = blocks.div_ceil(2);
+    let rows = x.len() / BLOCK / blocks.max(1);
+    assert!(
+        lane_quants.len() == rows * pairs * LANE_PAIR_BYTES
+            && lane_scales.len() == rows * pairs * 4
+            && lane_offsets.len() == rows * pairs * 4
+    );
+    for (g, (chunk, q)) in x
+        .chunks_exact(BLOCK)
+        .zip(quants.chunks_exact_mut(BLOCK))
+        .enumerate()
+    {
         // SAFETY: each chunk holds 32 floats and each q 32 bytes.
-        unsafe {
+        let (d, halves, half_sums) = unsafe {
             let v0 = _mm512_loadu_ps(chunk.as_ptr());
             let v1 = _mm512_loadu_ps(chunk.as_ptr().add(16));
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -253,11 +278,33 @@ pub unsafe fn quantize(x: &[f32], quants: &mut [i8], scales: &mut Vec<f32>, sums
             const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             let q0 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(v0, inv));
             let q1 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(v1, inv));
-            _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q1));
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            scales.push(super::to_f32(super::to_f16(d)));
-            sums.push(super::to_f32(super::to_f16(d * sum as f32)));
+            let halves = [_mm512_cvtsepi32_epi8(q0), _mm512_cvtsepi32_epi8(q1)];
+            _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, halves[0]);
+            _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, halves[1]);
+            (
+                d,
+                halves,
+                [_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1)],
+            )
+        };
+        let d16 = super::to_f32(super::to_f16(d));
+        scales.push(d16);
+        sums.push(super::to_f32(super::to_f16(
+            d * (half_sums[0] + half_sums[1]) as f32,
+        )));
+        let (row, b) = (g / blocks, g % blocks);
+        let (pair, h) = (row * pairs + b / 2, b % 2);
+        let base = pair * LANE_PAIR_BYTES + 8 * h;
+        for (l, half) in halves.iter().enumerate() {
+            let mut bytes = [0i8; 16];
+            // SAFETY: sixteen bytes.
+            unsafe { _mm_storeu_si128(bytes.as_mut_ptr() as *mut __m128i, *half) };
+            for j in 0..4 {
+                let at = base + 16 * j + 4 * l;
+                lane_quants[at..at + 4].copy_from_slice(&bytes[4 * j..4 * j + 4]);
+            }
+            lane_scales[pair * 4 + 2 * h + l] = d16;
+            lane_offsets[pair * 4 + 2 * h + l] = -128 * half_sums[l];
         }
     }
 }

@@ -133,7 +133,7 @@ impl QuantMatrix {
         let h = h.min(halves - 1);
         match self.layout {
             Layout::Rows => (j * nb + b) * halves + h,
-            Layout::Groups => {
+            Layout::Groups | Layout::Lanes => {
                 let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
                 record * 2 * halves * COL_TILE + (j % COL_TILE) * 2 * halves + (b % 2) * halves + h
             }
@@ -141,12 +141,14 @@ impl QuantMatrix {
     }
 
     /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit;
-    /// in 4-bit groups the 32 bytes shared with its pair, low or high nibbles).
+    /// in 4-bit groups the 32 bytes shared with its pair, low or high nibbles). Not for
+    /// [`Layout::Lanes`], whose blocks are spread (see [`QuantMatrix::lane_byte`]).
     fn quant_offset(&self, j: usize, b: usize) -> usize {
         let nb = self.k / BLOCK;
         match (self.layout, self.family) {
             (Layout::Rows, Family::Nibbles) => (j * nb + b) * 16,
             (Layout::Rows, _) => (j * nb + b) * BLOCK,
+            (Layout::Lanes, _) => unreachable!("lane-layout blocks are not contiguous"),
             (Layout::Groups, family) => {
                 let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
                 let row = record * COL_TILE + j % COL_TILE;
@@ -158,13 +160,39 @@ impl QuantMatrix {
         }
     }
 
+    /// Where value `v` of block `b` of row `j` lies in [`Layout::Lanes`]: byte offset, and
+    /// the shift of its nibble (4-bit).
+    fn lane_byte(&self, j: usize, b: usize, v: usize) -> (usize, u32) {
+        let record = (j / COL_TILE) * (self.k / BLOCK).div_ceil(2) + b / 2;
+        let slot = 2 * (j % COL_TILE) + b % 2;
+        let (register, half, i) = ((v % 16) / 4, v / 16, v % 4);
+        let within = 8 * slot + 4 * half + i;
+        match self.family {
+            Family::Nibbles => (
+                record * 128 + (register / 2) * 64 + within,
+                4 * (register as u32 % 2),
+            ),
+            _ => (record * 256 + register * 64 + within, 0),
+        }
+    }
+
     /// Block `b` of row `j`: the f16 scales of its two halves of 16 values (equal unless
     /// Q6_K), its f16 minimum (zero for 8-bit) and its 32 values.
     pub(super) fn block(&self, j: usize, b: usize) -> ([u16; 2], u16, [i16; BLOCK]) {
         let mut values = [0i16; BLOCK];
-        let at = self.quant_offset(j, b);
         match (self.layout, self.family) {
+            (Layout::Lanes, family) => {
+                for (v, value) in values.iter_mut().enumerate() {
+                    let (at, shift) = self.lane_byte(j, b, v);
+                    let byte = self.quants[at];
+                    *value = match family {
+                        Family::Nibbles => i16::from((byte >> shift) & 0x0F),
+                        _ => i16::from(byte) - 128,
+                    };
+                }
+            }
             (Layout::Rows, Family::Nibbles) => {
+                let at = self.quant_offset(j, b);
                 let q = &self.quants[at..at + 16];
                 for i in 0..16 {
                     values[i] = i16::from(q[i] & 0x0F);
@@ -172,11 +200,13 @@ impl QuantMatrix {
                 }
             }
             (Layout::Groups, Family::Nibbles) => {
+                let at = self.quant_offset(j, b);
                 for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
                     *v = i16::from((byte >> (4 * (b % 2))) & 0x0F);
                 }
             }
             _ => {
+                let at = self.quant_offset(j, b);
                 for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
                     *v = i16::from(byte as i8);
                 }
@@ -194,9 +224,10 @@ impl QuantMatrix {
         (scales, min, values)
     }
 
-    /// The same matrix in [`Layout::Groups`] (rows padded to a multiple of [`COL_TILE`] and
-    /// blocks to an even count, with zeros).
-    pub(super) fn into_groups(self) -> Self {
+    /// The same matrix in [`Layout::Groups`] or [`Layout::Lanes`] (rows padded to a multiple
+    /// of [`COL_TILE`] and blocks to an even count, with zero values).
+    pub(super) fn into_layout(self, layout: Layout) -> Self {
+        assert!(layout != Layout::Rows && self.layout == Layout::Rows);
         let nb = self.k / BLOCK;
         let (groups, pairs) = (self.n.div_ceil(COL_TILE), nb.div_ceil(2));
         let records = groups * pairs;
@@ -204,9 +235,15 @@ impl QuantMatrix {
             Family::Nibbles => BLOCK,
             _ => 2 * BLOCK,
         };
+        // Lane-layout 8-bit values are offset by 128: padding holds value 0 too.
+        let padding = if layout == Layout::Lanes && self.family != Family::Nibbles {
+            128
+        } else {
+            0
+        };
         let mut grouped = Self {
-            layout: Layout::Groups,
-            quants: vec![0u8; records * COL_TILE * quant_bytes],
+            layout,
+            quants: vec![padding; records * COL_TILE * quant_bytes],
             scales: vec![0u16; records * 2 * self.halves() * COL_TILE],
             mins: vec![
                 0u16;
@@ -231,6 +268,16 @@ impl QuantMatrix {
                 if self.family == Family::Nibbles {
                     let at = grouped.meta_index(j, b, 0);
                     grouped.mins[at] = min;
+                }
+                if layout == Layout::Lanes {
+                    for (i, &v) in values.iter().enumerate() {
+                        let (at, shift) = grouped.lane_byte(j, b, i);
+                        match self.family {
+                            Family::Nibbles => grouped.quants[at] |= (v as u8) << shift,
+                            _ => grouped.quants[at] = (v + 128) as u8,
+                        }
+                    }
+                    continue;
                 }
                 let at = grouped.quant_offset(j, b);
                 for (byte, &v) in grouped.quants[at..at + BLOCK].iter_mut().zip(&values) {
