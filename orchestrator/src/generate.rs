@@ -343,6 +343,8 @@ impl Generator {
                 accepted = outcome.accepted,
                 alpha = session.policy.alpha(bucket),
                 verify_ms = verify_seconds * 1e3,
+                forward_ms = response.forward_seconds * 1e3,
+                queue_ms = response.queue_seconds * 1e3,
                 computed = response.computed_tokens,
                 "speculative step"
             );

@@ -1,5 +1,5 @@
 //! `specd bench engine`: plain decode tok/s, 64-token prompt processing tok/s, and the cost
-//! of scoring n tokens in one pass (after 64 tokens of context) relative to n = 1 — the curve
+//! of scoring n tokens in one pass (after `--depth` tokens of context, 64 by default) relative to n = 1 — the curve
 //! that decides whether speculation pays. With `--llama-cpp DIR` (llama.cpp's build/bin),
 //! `llama-bench` runs on the same GGUF and thread count in the same run, and both print side
 //! by side. Medians of repeated runs.
@@ -29,19 +29,22 @@ pub struct EngineBenchArgs {
     /// Also print where a forward pass's time goes, by phase.
     #[arg(long)]
     profile: bool,
+    /// Context already cached before the scored tokens of the pass-cost curve and the
+    /// profile (speculative steps in real workloads run at a few hundred).
+    #[arg(long, default_value_t = 64)]
+    depth: usize,
     #[command(flatten)]
     pub model: ModelArgs,
 }
 
 const PASS_SIZES: [usize; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 16];
-const DEPTH: usize = 64;
 const PROMPT: usize = 64;
 
 #[derive(Debug, Default, serde::Serialize)]
 struct Figures {
     decode_tok_s: f64,
     prompt64_tok_s: f64,
-    /// Seconds of one pass over n tokens at depth 64, for each n in PASS_SIZES.
+    /// Seconds of one pass over n tokens at `--depth`, for each n in PASS_SIZES.
     pass_seconds: Vec<(usize, f64)>,
 }
 
@@ -76,17 +79,18 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
         .map(|r| time_pass(engine, &format!("pp-{r}"), &prompt, PROMPT - 1))
         .collect::<anyhow::Result<_>>()?;
     // Scoring n tokens after DEPTH cached ones, logits at all n (as verification needs).
-    let base = tokens(DEPTH + 16, vocab);
-    time_pass(engine, "depth", &base[..DEPTH], DEPTH - 1)?;
+    let depth = args.depth.max(1);
+    let base = tokens(depth + 16, vocab);
+    time_pass(engine, "depth", &base[..depth], depth - 1)?;
     let mut pass_seconds = Vec::new();
     for &n in &PASS_SIZES {
-        let context: Vec<u32> = base[..DEPTH]
+        let context: Vec<u32> = base[..depth]
             .iter()
-            .chain(&base[DEPTH..DEPTH + n])
+            .chain(&base[depth..depth + n])
             .copied()
             .collect();
         let times: Vec<f64> = (0..reps)
-            .map(|_| time_pass(engine, "depth", &context, DEPTH))
+            .map(|_| time_pass(engine, "depth", &context, depth))
             .collect::<anyhow::Result<_>>()?;
         pass_seconds.push((n, median(times)));
     }
@@ -139,7 +143,7 @@ fn measure_llama_cpp(
         eprintln!("llama-bench failed on prompt sizes {prompts}; measuring them with --repack 0");
         run_llama_bench(bin, model, threads, args, prompts, depth, 0, &["--repack", "0"])
     };
-    let passes = run(&sizes.join(","), DEPTH, 0)?;
+    let passes = run(&sizes.join(","), args.depth, 0)?;
     let decode = run("0", 0, args.decode_tokens)?;
     let pp = run(&PROMPT.to_string(), 0, 0)?;
     Ok(Figures {
@@ -207,11 +211,11 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         None => None,
     };
     let profile = if args.profile {
-        Some(crate::bench_profile::measure(&loaded.engine)?)
+        Some(crate::bench_profile::measure(&loaded.engine, args.depth.max(1))?)
     } else {
         None
     };
-    print_table(&ours, theirs.as_ref());
+    print_table(&ours, theirs.as_ref(), args.depth);
     println!("kernels: {}", specd_model::kernels::Kernel::detect().name());
     if let Some(profile) = &profile {
         crate::bench_profile::print(profile);
@@ -226,7 +230,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_table(ours: &Figures, theirs: Option<&Figures>) {
+fn print_table(ours: &Figures, theirs: Option<&Figures>, depth: usize) {
     let col = |f: Option<&Figures>, get: &dyn Fn(&Figures) -> f64| {
         f.map_or("-".to_string(), |f| format!("{:.1}", get(f)))
     };
@@ -255,7 +259,7 @@ fn print_table(ours: &Figures, theirs: Option<&Figures>) {
         let theirs_rel = theirs.and_then(|t| t.pass_seconds.get(i).map(|p| p.1 / one(t)));
         println!(
             "{:<34} {:>10} {:>10} {:>8}",
-            format!("pass of {n} at depth {DEPTH}: ms (x n=1)"),
+            format!("pass of {n} at depth {depth}: ms (x n=1)"),
             format!("{:.2} (x{:.2})", seconds * 1e3, seconds / one(ours)),
             theirs_rel.map_or("-".into(), |r| format!("x{r:.2}")),
             "",

@@ -9,7 +9,6 @@ use specd_model::{Engine, ScoreRequest};
 
 /// Passes profiled per shape.
 const PASSES: usize = 40;
-const DEPTH: usize = 64;
 
 #[derive(Debug, serde::Serialize)]
 pub struct PhaseRow {
@@ -28,39 +27,39 @@ pub struct Profile {
     dispatch_us: f64,
 }
 
-fn profile_passes(engine: &Engine, n: usize, vocab: usize) -> anyhow::Result<ForwardProfile> {
-    let base: Vec<u32> = (0..DEPTH + n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+fn profile_passes(engine: &Engine, n: usize, depth: usize, vocab: usize) -> anyhow::Result<ForwardProfile> {
+    let base: Vec<u32> = (0..depth + n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
     let sequence = format!("profile-{n}");
     engine.score_blocking(ScoreRequest {
         sequence: sequence.clone(),
-        context: base[..DEPTH].to_vec(),
-        logits_from: DEPTH - 1,
+        context: base[..depth].to_vec(),
+        logits_from: depth - 1,
     })?;
     let mut profile = ForwardProfile::default();
     for _ in 0..PASSES {
-        // Only the pass over the n tokens is profiled; rolling the cache back to DEPTH
+        // Only the pass over the n tokens is profiled; rolling the cache back to depth
         // tokens (the second request re-scores the last cached token) is not.
         engine.start_profile();
         engine.score_blocking(ScoreRequest {
             sequence: sequence.clone(),
             context: base.clone(),
-            logits_from: DEPTH,
+            logits_from: depth,
         })?;
         profile.add(&engine.take_profile().unwrap_or_default());
         engine.score_blocking(ScoreRequest {
             sequence: sequence.clone(),
-            context: base[..DEPTH].to_vec(),
-            logits_from: DEPTH - 1,
+            context: base[..depth].to_vec(),
+            logits_from: depth - 1,
         })?;
     }
     engine.release(&sequence);
     Ok(profile)
 }
 
-pub fn measure(engine: &Engine) -> anyhow::Result<Profile> {
+pub fn measure(engine: &Engine, depth: usize) -> anyhow::Result<Profile> {
     let vocab = engine.info().vocab_size;
-    let decode = profile_passes(engine, 1, vocab)?;
-    let score8 = profile_passes(engine, 8, vocab)?;
+    let decode = profile_passes(engine, 1, depth, vocab)?;
+    let score8 = profile_passes(engine, 8, depth, vocab)?;
     anyhow::ensure!(decode.passes > 0 && score8.passes > 0, "no pass was profiled");
     let per = |p: &ForwardProfile, phase: Phase| p.phase(phase) * 1e3 / p.passes as f64;
     let rows = Phase::ALL
