@@ -2,9 +2,10 @@
 //! model each draft token is accepted with probability α (independently), so a step that
 //! verifies k drafts emits E(k) = (1 − α^(k+1)) / (1 − α) tokens. It costs one drafter call
 //! (when k > 0) plus a verifier pass over k + 1 tokens, whose time grows with k — on a CPU
-//! steeply. The policy picks the k in [0, k_max] with the most tokens per second, from α
-//! measured per session and costs measured per process; K = 0 (plain decoding) whenever
-//! drafting does not pay.
+//! steeply, and not linearly (one weight stream serves a tile of rows, then a second
+//! stream starts), so the time of each k is measured on its own. The policy picks the k in
+//! [0, k_max] with the most tokens per second, from α measured per session and costs
+//! measured per process; K = 0 (plain decoding) whenever drafting does not pay.
 
 use std::sync::Mutex;
 
@@ -23,8 +24,13 @@ const EXPLORE_MAX: u32 = 256;
 /// matches are far more reliable, so each group keeps its own acceptance record.
 pub const MATCH_BUCKETS: usize = 4;
 
+/// Draft counts whose verifier time is measured one by one; beyond, the time is
+/// extrapolated with the measured seconds per draft token.
+pub const MEASURED_K: usize = 16;
+
 /// Process-wide costs, shared by sessions: the verifier's time for a pass over k + 1
-/// tokens, modelled as `base + per_token · k`, and the drafter's round trip.
+/// tokens (measured per k, `base + per_token · k` where k was never measured), and the
+/// drafter's round trip.
 #[derive(Debug)]
 pub struct CostModel {
     inner: Mutex<Costs>,
@@ -34,8 +40,11 @@ pub struct CostModel {
 struct Costs {
     /// Seconds of one verifier call with no drafts (round trip included).
     base: f64,
-    /// Extra verifier seconds per draft token.
+    /// Extra verifier seconds per draft token, averaged over every k measured.
     per_token: f64,
+    /// Seconds of a verifier call with k drafts, for k in 1..=MEASURED_K (index k − 1),
+    /// once measured.
+    by_k: [Option<f64>; MEASURED_K],
     /// Seconds of one drafter call, and per drafted token (LM drafters).
     draft_call: f64,
     draft_per_token: f64,
@@ -51,6 +60,7 @@ impl Default for CostModel {
             inner: Mutex::new(Costs {
                 base: 0.02,
                 per_token: 0.0134,
+                by_k: [None; MEASURED_K],
                 draft_call: 0.0005,
                 draft_per_token: 0.0,
                 load: 1.0,
@@ -68,6 +78,9 @@ impl CostModel {
         } else {
             let per_token = ((seconds - c.base) / k as f64).max(0.0);
             c.per_token = ema(c.per_token, per_token);
+            if let Some(slot) = c.by_k.get_mut(k - 1) {
+                *slot = Some(slot.map_or(seconds, |old| ema(old, seconds)));
+            }
         }
     }
 
@@ -98,7 +111,7 @@ impl CostModel {
     /// therefore shrinks as the verifier gets busy and grows back when it idles.
     pub fn step_seconds(&self, k: usize) -> f64 {
         let c = *self.inner.lock().expect("cost model lock");
-        let verify = c.base + c.per_token * c.load.max(1.0) * k as f64;
+        let verify = c.base + c.extra_verify_seconds(k) * c.load.max(1.0);
         if k == 0 {
             verify
         } else {
@@ -110,6 +123,28 @@ impl CostModel {
     pub fn relative_token_cost(&self) -> f64 {
         let c = *self.inner.lock().expect("cost model lock");
         c.per_token / c.base.max(1e-9)
+    }
+}
+
+impl Costs {
+    /// Verifier seconds that k drafts add to a plain step: measured where k was, else
+    /// extrapolated from the largest measured k below it; never less than for fewer drafts
+    /// (a noisy sample must not make more drafts look cheaper).
+    fn extra_verify_seconds(&self, k: usize) -> f64 {
+        let mut extra = 0.0f64;
+        let mut known = (0, 0.0);
+        for j in 1..=k {
+            let measured = self.by_k.get(j - 1).copied().flatten();
+            let value = match measured {
+                Some(seconds) => {
+                    known = (j, (seconds - self.base).max(0.0));
+                    known.1
+                }
+                None => known.1 + self.per_token * (j - known.0) as f64,
+            };
+            extra = extra.max(value);
+        }
+        extra
     }
 }
 
@@ -319,6 +354,37 @@ mod tests {
             vec![first, first + 2 * EXPLORE_EVERY as usize],
             "{picks:?}"
         );
+    }
+
+    #[test]
+    fn each_k_costs_what_was_measured_for_it() {
+        let model = CostModel::default();
+        // A convex curve: 1 and 2 drafts nearly free, 4 expensive.
+        for _ in 0..60 {
+            model.record_verify(0, 0.010);
+            model.record_verify(1, 0.0105);
+            model.record_verify(2, 0.011);
+            model.record_verify(4, 0.020);
+        }
+        let extra = |k| model.step_seconds(k) - model.step_seconds(0);
+        let draft_call = model.inner.lock().unwrap().draft_call;
+        assert!((extra(2) - draft_call - 0.001).abs() < 1e-4, "{}", extra(2));
+        assert!((extra(4) - draft_call - 0.010).abs() < 1e-4, "{}", extra(4));
+        // Unmeasured k: at least the measured k below it, plus the average per-token cost.
+        assert!(extra(3) >= extra(2) && extra(3) < extra(4), "{}", extra(3));
+        assert!(extra(5) > extra(4));
+        // With k = 3 measured too, a fairly confident policy (α = 0.75) takes k = 2, the
+        // most tokens per second on this curve.
+        for _ in 0..60 {
+            model.record_verify(3, 0.016);
+        }
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(2, 2, 1);
+        }
+        policy.accepted[1] = 3.0;
+        policy.rejected[1] = 1.0; // α = 0.75
+        assert_eq!(policy.choose(8, 1, &model), 2);
     }
 
     #[test]
