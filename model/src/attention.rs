@@ -1,10 +1,16 @@
-//! Causal attention over host KV caches, one (query row, head) at a time: dot products with
-//! exactly the keys the row may see, softmax, weighted sum of values. Each row's result is
-//! computed by the same code whatever else is in the pass, so verifying K drafts in one pass
-//! gives bit-identical results to decoding them one by one, alone or batched with other
-//! sequences. All rows of all sequences of a pass are one pass over candle's thread pool.
+//! Causal attention over host KV caches: dot products with exactly the keys a query row may
+//! see, softmax, weighted sum of values. Over tiled keys (AVX-512, see [`tiles`]) the rows
+//! reading one KV head share its loads; otherwise each (query row, head) runs alone. Each
+//! row's result is computed by the same code whatever else is in the pass, so verifying K
+//! drafts in one pass gives bit-identical results to decoding them one by one, alone or
+//! batched with other sequences. All rows of all sequences of a pass are one pass over
+//! candle's thread pool.
 
 use crate::kernels::SendPtr;
+use crate::kv_cache::KeyLayout;
+
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 
 /// Shapes of one attention call.
 pub struct AttentionShape {
@@ -13,11 +19,12 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
-/// One sequence's part of a pass: its cache (`[position][kv_head][head_dim]`, holding
-/// positions `0..start + n`) and its `n` new query rows, which follow the previous
-/// sequence's rows in the query matrix.
+/// One sequence's part of a pass: its cache (values `[position][kv_head][head_dim]`, keys
+/// in `key_layout`, holding positions `0..start + n`) and its `n` new query rows, which
+/// follow the previous sequence's rows in the query matrix.
 pub struct SequenceAttention<'a> {
     pub keys: &'a [f32],
+    pub key_layout: KeyLayout,
     pub values: &'a [f32],
     pub start: usize,
     pub n: usize,
@@ -40,6 +47,19 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
         queries.len() == rows * nh * hd && out.len() == rows * nh * hd,
         "queries and output must be [rows, n_head * head_dim]"
     );
+    if sequences.iter().any(|s| s.key_layout == KeyLayout::Tiles) {
+        assert!(
+            sequences.iter().all(|s| s.key_layout == KeyLayout::Tiles)
+                && crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni,
+            "tiled keys need the AVX-512 attention, for every sequence of the pass"
+        );
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 (detected above); sizes are checked above.
+        unsafe {
+            tiles::attend(shape, queries, sequences, &first_row, out)
+        };
+        return;
+    }
     let out_ptr = SendPtr(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows * nh, |items| {
         let mut scores = Vec::new();

@@ -312,6 +312,7 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
                 let (keys, values) = step.cache.host_layer(layer)?;
                 Ok(SequenceAttention {
                     keys,
+                    key_layout: step.cache.key_layout(),
                     values,
                     start: step.cache.len(),
                     n: step.tokens.len(),

@@ -2,9 +2,11 @@
 //! to any length (rollback after a rejected draft) and records the tokens it holds, so a
 //! caller can reuse the longest common prefix of a new context.
 //!
-//! On the CPU keys and values are plain `[position][kv_head][head_dim]` f32 buffers read
-//! directly by [`crate::attention`]; on other devices they are candle tensors
-//! `[kv_head, capacity, head_dim]` grown by doubling.
+//! On the CPU keys and values are plain f32 buffers read directly by [`crate::attention`]:
+//! values `[position][kv_head][head_dim]`, keys the same or, for the AVX-512 attention,
+//! in tiles of [`KEY_TILE`] positions `[tile][kv_head][head_dim][position in tile]` (see
+//! [`KeyLayout`]); on other devices they are candle tensors `[kv_head, capacity, head_dim]`
+//! grown by doubling.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -13,6 +15,33 @@ use crate::error::{ModelError, Result};
 
 /// Initial capacity in tokens of device caches; doubled as needed up to the context length.
 const INITIAL_CAPACITY: usize = 128;
+
+/// Positions per key tile.
+pub const KEY_TILE: usize = 16;
+
+/// How a host cache stores its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyLayout {
+    /// `[position][kv_head][head_dim]`, like the values.
+    Positions,
+    /// `[tile][kv_head][head_dim][KEY_TILE]`: one 16-float load holds one dimension of 16
+    /// positions, so scores for 16 positions are plain multiply-adds, with no horizontal
+    /// sums. Positions past the cached length in the last tile hold stale values and are
+    /// never read as scores (attention masks them).
+    Tiles,
+}
+
+impl KeyLayout {
+    /// The layout the detected attention kernel reads best.
+    pub fn for_this_cpu(head_dim: usize) -> Self {
+        let avx512 = crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni;
+        if avx512 && matches!(head_dim, 64 | 128) {
+            KeyLayout::Tiles
+        } else {
+            KeyLayout::Positions
+        }
+    }
+}
 
 /// Keys and values of one layer.
 enum LayerCache {
@@ -30,11 +59,17 @@ pub struct KvCache {
     max_len: usize,
     n_head_kv: usize,
     head_dim: usize,
+    key_layout: KeyLayout,
     device: Device,
 }
 
 impl KvCache {
     pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
+        Self::with_key_layout(cfg, device, KeyLayout::for_this_cpu(cfg.head_dim))
+    }
+
+    /// A cache whose host keys are stored in `key_layout`.
+    pub fn with_key_layout(cfg: &LlamaConfig, device: &Device, key_layout: KeyLayout) -> Result<Self> {
         let capacity = INITIAL_CAPACITY.min(cfg.context_length).max(1);
         let mut cache = Self {
             layers: Vec::with_capacity(cfg.n_layer),
@@ -43,6 +78,7 @@ impl KvCache {
             max_len: cfg.context_length,
             n_head_kv: cfg.n_head_kv,
             head_dim: cfg.head_dim,
+            key_layout,
             device: device.clone(),
         };
         for _ in 0..cfg.n_layer {
@@ -92,13 +128,28 @@ impl KvCache {
             .sum()
     }
 
+    /// How host keys are stored.
+    pub fn key_layout(&self) -> KeyLayout {
+        self.key_layout
+    }
+
+    /// Floats of host keys holding positions `0..len`.
+    fn key_floats(&self, len: usize) -> usize {
+        let per_position = self.n_head_kv * self.head_dim;
+        match self.key_layout {
+            KeyLayout::Positions => len * per_position,
+            KeyLayout::Tiles => len.div_ceil(KEY_TILE) * KEY_TILE * per_position,
+        }
+    }
+
     /// Drops every position from `len` on. Truncating to a longer length is a no-op.
     pub fn truncate(&mut self, len: usize) {
         self.tokens.truncate(len);
         let floats = self.tokens.len() * self.n_head_kv * self.head_dim;
+        let key_floats = self.key_floats(self.tokens.len());
         for layer in &mut self.layers {
             if let LayerCache::Host { keys, values } = layer {
-                keys.truncate(floats);
+                keys.truncate(key_floats);
                 values.truncate(floats);
             }
         }
@@ -155,13 +206,33 @@ impl KvCache {
         keys: &[f32],
         values: &[f32],
     ) -> Result<()> {
-        let floats = start * self.n_head_kv * self.head_dim;
+        let per_position = self.n_head_kv * self.head_dim;
+        let floats = start * per_position;
+        let n = values.len() / per_position.max(1);
+        let key_layout = self.key_layout;
+        let key_floats = self.key_floats(start + n);
         match &mut self.layers[layer] {
             LayerCache::Host { keys: k, values: v } => {
-                k.truncate(floats);
                 v.truncate(floats);
-                k.extend_from_slice(keys);
                 v.extend_from_slice(values);
+                match key_layout {
+                    KeyLayout::Positions => {
+                        k.truncate(floats);
+                        k.extend_from_slice(keys);
+                    }
+                    KeyLayout::Tiles => {
+                        k.resize(key_floats, 0.0);
+                        let tile_floats = KEY_TILE * per_position;
+                        for (i, key) in keys.chunks_exact(per_position).enumerate() {
+                            let p = start + i;
+                            let tile = &mut k[(p / KEY_TILE) * tile_floats..][..tile_floats];
+                            // Element d = kv_head · head_dim + dim of the position.
+                            for (d, &value) in key.iter().enumerate() {
+                                tile[d * KEY_TILE + p % KEY_TILE] = value;
+                            }
+                        }
+                    }
+                }
                 Ok(())
             }
             LayerCache::Device { .. } => {

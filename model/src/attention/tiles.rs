@@ -1,0 +1,453 @@
+//! Attention over tiled keys (see [`KeyLayout::Tiles`]) with AVX-512: every query row that
+//! reads one KV head — the heads of its group (grouped-query attention) and, when verifying
+//! drafts, every scored position — shares each load of the keys and values. Scores for 16
+//! positions are 16-lane multiply-adds against one tile row per dimension (no horizontal
+//! sums); the weighted sum of values loads each value row once for several query rows.
+//!
+//! Each row's arithmetic is the same whatever other rows share its work item: positions a
+//! row may not see are masked to −∞ before its softmax, and their weights are exact zeros,
+//! so results stay batch-invariant (a verified draft scores bit-identically to decoding it).
+//!
+//! [`KeyLayout::Tiles`]: crate::kv_cache::KeyLayout::Tiles
+
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::{AttentionShape, SequenceAttention};
+use crate::kernels::SendPtr;
+use crate::kv_cache::KEY_TILE;
+
+/// Query rows scored together against one key tile, with [`SCORE_CHAINS`] accumulators
+/// each (independent multiply-add chains, so even one row is not bound by their latency;
+/// the same for every row whatever its company, for batch invariance).
+const SCORE_ROWS: usize = 6;
+const SCORE_CHAINS: usize = 4;
+/// Registers for the value accumulators of the rows summed together.
+const VALUE_REGISTERS: usize = 24;
+
+/// One work item: query rows `rows` (in `(position, head in group)` order) of sequence
+/// `sequence` against KV head `kv`.
+struct Item {
+    sequence: usize,
+    kv: usize,
+    rows: std::ops::Range<usize>,
+}
+
+/// The whole attention of a pass, as [`super::attend`] specifies, for sequences whose keys
+/// are tiled.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; the caller checks the sizes of `queries` and `out`.
+pub unsafe fn attend(
+    shape: &AttentionShape,
+    queries: &[f32],
+    sequences: &[SequenceAttention<'_>],
+    first_row: &[usize],
+    out: &mut [f32],
+) {
+    let (nh, nkv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
+    assert!(matches!(hd, 64 | 128) && nh.is_multiple_of(nkv));
+    let group = nh / nkv;
+    for seq in sequences {
+        let visible = seq.start + seq.n;
+        assert!(
+            seq.keys.len() >= visible.div_ceil(KEY_TILE) * KEY_TILE * nkv * hd
+                && seq.values.len() >= visible * nkv * hd,
+            "the cache must hold every visible position"
+        );
+    }
+    // Enough items for the pool's threads to share evenly, each as large as it can be.
+    let total_rows: usize = sequences.iter().map(|s| s.n * group).sum::<usize>() * nkv;
+    // Asking candle for its thread count reads the environment and the cgroup files.
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = *THREADS.get_or_init(|| candle_core::utils::get_num_threads().max(1));
+    let chunk = (total_rows / (4 * threads)).clamp(1, SCORE_ROWS);
+    let mut items = Vec::new();
+    for (sequence, seq) in sequences.iter().enumerate() {
+        for kv in 0..nkv {
+            let rows = seq.n * group;
+            for from in (0..rows).step_by(chunk) {
+                items.push(Item {
+                    sequence,
+                    kv,
+                    rows: from..(from + chunk).min(rows),
+                });
+            }
+        }
+    }
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    let scale = 1.0 / (hd as f32).sqrt();
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    }
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            for item in &items[range] {
+                let seq = &sequences[item.sequence];
+                let rows: Vec<Row> = item
+                    .rows
+                    .clone()
+                    .map(|r| {
+                        let (i, head) = (r / group, item.kv * group + r % group);
+                        let at = ((first_row[item.sequence] + i) * nh + head) * hd;
+                        Row {
+                            query: at,
+                            visible: seq.start + i + 1,
+                        }
+                    })
+                    .collect();
+                // SAFETY: the CPU has AVX-512 F (the caller's contract); bounds checked above
+                // and in `item_attend`; each (row, head) output slice belongs to one item.
+                unsafe { item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr) };
+            }
+        });
+    });
+}
+
+/// [`super::exp`] on 16 lanes (the same polynomial, so within 2 ulp of `f32::exp`).
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn exp16(x: __m512) -> __m512 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(87.0));
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let n = _mm512_roundscale_ps::<NEAREST>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+    let minus_n = _mm512_sub_ps(_mm512_setzero_ps(), n);
+    let r = _mm512_fmadd_ps(
+        minus_n,
+        _mm512_set1_ps(LN2_LO),
+        _mm512_fmadd_ps(minus_n, _mm512_set1_ps(LN2_HI), x),
+    );
+    let mut p = _mm512_set1_ps(1.0 / 5040.0);
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
+}
+
+/// A query row: where its query (and output) starts, and how many positions it sees.
+struct Row {
+    query: usize,
+    visible: usize,
+}
+
+#[derive(Default)]
+struct Scratch {
+    /// Scaled queries, `[row][head_dim]`.
+    queries: Vec<f32>,
+    /// Softmax weights (unnormalised), `[row][positions]`.
+    weights: Vec<f32>,
+    /// 1 / Σ weights per row.
+    inverse: Vec<f32>,
+}
+
+/// # Safety
+/// As [`attend`]; every row's output slice lies in `out` and belongs to this call.
+#[target_feature(enable = "avx512f,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn item_attend(
+    shape: &AttentionShape,
+    seq: &SequenceAttention<'_>,
+    kv: usize,
+    rows: &[Row],
+    queries: &[f32],
+    scale: f32,
+    scratch: &mut Scratch,
+    out: SendPtr,
+) {
+    let (nkv, hd) = (shape.n_head_kv, shape.head_dim);
+    let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
+    let span = longest.div_ceil(KEY_TILE) * KEY_TILE;
+    scratch.queries.clear();
+    for row in rows {
+        scratch
+            .queries
+            .extend(queries[row.query..row.query + hd].iter().map(|&q| q * scale));
+    }
+    scratch.weights.clear();
+    scratch.weights.resize(rows.len() * span, 0.0);
+    scratch.inverse.clear();
+    // Scores, SCORE_ROWS rows at a time against each tile they see.
+    for from in (0..rows.len()).step_by(SCORE_ROWS) {
+        let chunk = &rows[from..(from + SCORE_ROWS).min(rows.len())];
+        macro_rules! scores {
+            ($r:literal) => {
+                // SAFETY: as this function's.
+                unsafe { score_rows::<$r>(seq, kv, nkv, hd, chunk, from, span, scratch) }
+            };
+        }
+        match chunk.len() {
+            6 => scores!(6),
+            5 => scores!(5),
+            4 => scores!(4),
+            3 => scores!(3),
+            2 => scores!(2),
+            _ => scores!(1),
+        }
+    }
+    // Softmax per row over exactly the positions it sees; the rest become exact zeros.
+    for (r, row) in rows.iter().enumerate() {
+        let weights = &mut scratch.weights[r * span..(r + 1) * span];
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        for tile in weights.chunks_exact(KEY_TILE) {
+            // SAFETY: 16 floats (masked positions are −∞ and do not raise the maximum).
+            max = _mm512_max_ps(max, unsafe { _mm512_loadu_ps(tile.as_ptr()) });
+        }
+        let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+        // Sixteen lane sums, then the lanes in a fixed order: positions past `visible` add
+        // exact zeros, so the sum does not depend on the item's span.
+        let mut sum = _mm512_setzero_ps();
+        for (t, tile) in weights.chunks_exact_mut(KEY_TILE).enumerate() {
+            let seen = row.visible.saturating_sub(t * KEY_TILE).min(KEY_TILE);
+            // SAFETY: 16 floats.
+            let w = unsafe { _mm512_loadu_ps(tile.as_ptr()) };
+            let w = _mm512_maskz_mov_ps(((1u32 << seen) - 1) as __mmask16, exp16(_mm512_sub_ps(w, max)));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(tile.as_mut_ptr(), w) };
+            sum = _mm512_add_ps(sum, w);
+        }
+        scratch.inverse.push(1.0 / _mm512_reduce_add_ps(sum));
+    }
+    // Weighted sums of values: each value row loaded once for a chunk of rows.
+    macro_rules! values {
+        ($g:literal, $($r:literal)+) => {{
+            const PER_CHUNK: usize = VALUE_REGISTERS / $g;
+            for from in (0..rows.len()).step_by(PER_CHUNK) {
+                let chunk = &rows[from..(from + PER_CHUNK).min(rows.len())];
+                match chunk.len() {
+                    // SAFETY: as this function's.
+                    $($r => unsafe { sum_values::<$r, $g>(seq, kv, nkv, chunk, from, span, scratch, out) },)+
+                    _ => unreachable!("chunks hold 1..={PER_CHUNK} rows"),
+                }
+            }
+        }};
+    }
+    match hd {
+        64 => values!(4, 1 2 3 4 5 6),
+        128 => values!(8, 1 2 3),
+        _ => unreachable!("tiled keys need a head of 64 or 128"),
+    }
+}
+
+/// Scores of `R` rows (scratch rows `from..from + R`) against every tile they see, masked
+/// to −∞ past each row's visible positions.
+///
+/// # Safety
+/// As [`attend`].
+#[target_feature(enable = "avx512f,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_rows<const R: usize>(
+    seq: &SequenceAttention<'_>,
+    kv: usize,
+    nkv: usize,
+    hd: usize,
+    chunk: &[Row],
+    from: usize,
+    span: usize,
+    scratch: &mut Scratch,
+) {
+    assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd);
+    let tile_floats = KEY_TILE * nkv * hd;
+    let tiles = chunk
+        .iter()
+        .map(|r| r.visible)
+        .max()
+        .unwrap_or(0)
+        .div_ceil(KEY_TILE);
+    let queries = &scratch.queries[from * hd..(from + R) * hd];
+    for t in 0..tiles {
+        let tile = &seq.keys[t * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
+        let mut acc = [[_mm512_setzero_ps(); SCORE_CHAINS]; R];
+        for d in (0..hd).step_by(SCORE_CHAINS) {
+            for a in 0..SCORE_CHAINS {
+                // SAFETY: the tile holds hd rows of 16 floats (hd a multiple of 4).
+                let keys = unsafe { _mm512_loadu_ps(tile.as_ptr().add((d + a) * KEY_TILE)) };
+                for c in 0..R {
+                    let q = _mm512_set1_ps(queries[c * hd + d + a]);
+                    acc[c][a] = _mm512_fmadd_ps(q, keys, acc[c][a]);
+                }
+            }
+        }
+        for c in 0..R {
+            let seen = chunk[c].visible.saturating_sub(t * KEY_TILE).min(KEY_TILE);
+            let mask = ((1u32 << seen) - 1) as __mmask16;
+            let [a0, a1, a2, a3] = acc[c];
+            let scores = _mm512_mask_blend_ps(
+                mask,
+                _mm512_set1_ps(f32::NEG_INFINITY),
+                _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+            );
+            let at = (from + c) * span + t * KEY_TILE;
+            assert!(at + KEY_TILE <= scratch.weights.len());
+            // SAFETY: 16 floats inside this row's span (checked).
+            unsafe { _mm512_storeu_ps(scratch.weights.as_mut_ptr().add(at), scores) };
+        }
+    }
+}
+
+/// `out[row] = Σⱼ weights[row][j] · values[j] / Σⱼ weights[row][j]` for `R` rows (scratch
+/// rows `from..from + R`), heads of `16 · G` floats.
+///
+/// # Safety
+/// As [`attend`]; each row's output slice belongs to this call.
+#[target_feature(enable = "avx512f,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn sum_values<const R: usize, const G: usize>(
+    seq: &SequenceAttention<'_>,
+    kv: usize,
+    nkv: usize,
+    chunk: &[Row],
+    from: usize,
+    span: usize,
+    scratch: &Scratch,
+    out: SendPtr,
+) {
+    let hd = 16 * G;
+    let stride = nkv * hd;
+    let positions = chunk.iter().map(|r| r.visible).max().unwrap_or(0);
+    assert!(chunk.len() == R && positions <= span && seq.values.len() >= positions * stride);
+    assert!(scratch.weights.len() >= (from + R) * span);
+    let mut acc = [[_mm512_setzero_ps(); G]; R];
+    for j in 0..positions {
+        // SAFETY: position j < positions of this KV head is in bounds (checked above).
+        let value = unsafe { seq.values.as_ptr().add(j * stride + kv * hd) };
+        for g in 0..G {
+            // SAFETY: as above; 16 floats at 16 g < hd.
+            let v = unsafe { _mm512_loadu_ps(value.add(16 * g)) };
+            for c in 0..R {
+                // SAFETY: row from + c's weights hold span >= positions floats (checked).
+                let w = _mm512_set1_ps(unsafe { *scratch.weights.get_unchecked((from + c) * span + j) });
+                acc[c][g] = _mm512_fmadd_ps(w, v, acc[c][g]);
+            }
+        }
+    }
+    for c in 0..R {
+        let inverse = _mm512_set1_ps(scratch.inverse[from + c]);
+        for g in 0..G {
+            // SAFETY: the row's output slice (hd floats at its query offset) is inside `out`
+            // and written only by this item.
+            unsafe {
+                _mm512_storeu_ps(
+                    out.get().add(chunk[c].query + 16 * g),
+                    _mm512_mul_ps(acc[c][g], inverse),
+                )
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{AttentionShape, SequenceAttention, attend};
+    use crate::kernels::Kernel;
+    use crate::kv_cache::{KEY_TILE, KeyLayout};
+
+    fn noise(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i + seed) * 7919 + seed * 104_729) % 211) as f32 / 105.0 - 1.0)
+            .collect()
+    }
+
+    /// `[position][kv][dim]` keys regrouped as `[tile][kv][dim][16]`.
+    fn tiled(keys: &[f32], positions: usize, width: usize) -> Vec<f32> {
+        let mut out = vec![0f32; positions.div_ceil(KEY_TILE) * KEY_TILE * width];
+        for p in 0..positions {
+            for d in 0..width {
+                out[(p / KEY_TILE) * KEY_TILE * width + d * KEY_TILE + p % KEY_TILE] = keys[p * width + d];
+            }
+        }
+        out
+    }
+
+    struct Cache {
+        keys: Vec<f32>,
+        tiles: Vec<f32>,
+        values: Vec<f32>,
+        start: usize,
+        n: usize,
+    }
+
+    fn run(shape: &AttentionShape, caches: &[&Cache], queries: &[f32], layout: KeyLayout) -> Vec<f32> {
+        let sequences: Vec<SequenceAttention<'_>> = caches
+            .iter()
+            .map(|c| SequenceAttention {
+                keys: if layout == KeyLayout::Tiles {
+                    &c.tiles
+                } else {
+                    &c.keys
+                },
+                key_layout: layout,
+                values: &c.values,
+                start: c.start,
+                n: c.n,
+            })
+            .collect();
+        let mut out = vec![0f32; queries.len()];
+        attend(shape, queries, &sequences, &mut out);
+        out
+    }
+
+    #[test]
+    fn tiled_attention_matches_the_per_row_one_and_is_batch_invariant() {
+        if Kernel::detect() != Kernel::Avx512Vnni {
+            eprintln!("no AVX-512 here: tiled keys are never used on this CPU");
+            return;
+        }
+        for hd in [64usize, 128] {
+            let shape = AttentionShape {
+                n_head: 6,
+                n_head_kv: 2,
+                head_dim: hd,
+            };
+            let width = shape.n_head_kv * hd;
+            let caches: Vec<Cache> = [(37usize, 3usize), (0, 5), (20, 1), (15, 2)]
+                .iter()
+                .enumerate()
+                .map(|(s, &(start, n))| {
+                    let positions = start + n;
+                    let keys = noise(positions * width, 11 + s);
+                    Cache {
+                        tiles: tiled(&keys, positions, width),
+                        keys,
+                        values: noise(positions * width, 23 + s),
+                        start,
+                        n,
+                    }
+                })
+                .collect();
+            let rows: usize = caches.iter().map(|c| c.n).sum();
+            let queries = noise(rows * shape.n_head * hd, 5);
+            let all: Vec<&Cache> = caches.iter().collect();
+            let per_row = run(&shape, &all, &queries, KeyLayout::Positions);
+            let together = run(&shape, &all, &queries, KeyLayout::Tiles);
+            for (i, (a, b)) in together.iter().zip(&per_row).enumerate() {
+                assert!((a - b).abs() <= 1e-5, "hd {hd} [{i}]: {a} vs {b}");
+            }
+            // Every row alone (its sequence's cache cut to what it sees) gives the same bits.
+            let row_floats = shape.n_head * hd;
+            let mut row = 0;
+            for cache in &caches {
+                for i in 0..cache.n {
+                    let alone = Cache {
+                        keys: cache.keys.clone(),
+                        tiles: cache.tiles.clone(),
+                        values: cache.values.clone(),
+                        start: cache.start + i,
+                        n: 1,
+                    };
+                    let q = &queries[row * row_floats..(row + 1) * row_floats];
+                    let got = run(&shape, &[&alone], q, KeyLayout::Tiles);
+                    assert_eq!(
+                        got,
+                        together[row * row_floats..(row + 1) * row_floats],
+                        "hd {hd} row {row}"
+                    );
+                    row += 1;
+                }
+            }
+        }
+    }
+}
