@@ -3,7 +3,9 @@
 //! `drafter-svc` and an `orchestrator` on loopback, then runs C concurrent streaming
 //! sessions (prompts cycling through the `specd bench spec` workloads) plainly and
 //! speculatively. Reports aggregate tok/s, time to first token and inter-token latency
-//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file.
+//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file. With
+//! `--unbatched-baseline`, one verifier also runs with batching off (`--max-batch-tokens
+//! 1`: one job per forward pass), plainly, so batching's gain is measured directly.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -44,6 +46,10 @@ pub struct LoadBenchArgs {
     /// one single-threaded verifier take longer than the production default of 30 s.
     #[arg(long, default_value_t = 300_000)]
     call_deadline_ms: u64,
+    /// Also run plain decoding against one verifier with batching off (one job per forward
+    /// pass), the baseline of the batching gain.
+    #[arg(long)]
+    unbatched_baseline: bool,
 }
 
 /// A child process killed when dropped.
@@ -216,16 +222,25 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         .filter_map(|p| p.as_str().map(String::from))
         .collect();
     let mut rows = Vec::new();
-    for &verifier_count in &args.verifiers {
+    // (verifier processes, batching on)
+    let mut setups: Vec<(usize, bool)> = args.verifiers.iter().map(|&v| (v, true)).collect();
+    if args.unbatched_baseline {
+        setups.push((1, false));
+    }
+    for (verifier_count, batched) in setups {
         let mut procs = Vec::new();
         let mut urls = Vec::new();
         for _ in 0..verifier_count {
             let port = free_port()?;
+            let mut verifier_args = vec!["--model".to_string(), model.clone()];
+            if !batched {
+                verifier_args.extend(["--max-batch-tokens".to_string(), "1".to_string()]);
+            }
             procs.push(spawn(
                 &bin_dir,
                 "verifier-svc",
                 port,
-                &["--model".into(), model.clone()],
+                &verifier_args,
                 args.threads,
             )?);
             urls.push(format!("http://127.0.0.1:{port}"));
@@ -273,7 +288,12 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
             w.await??;
         }
         for &concurrency in &args.concurrency {
-            for (mode, speculate) in [("plain", false), ("speculative", true)] {
+            let modes: &[(&'static str, bool)] = if batched {
+                &[("plain", false), ("speculative", true)]
+            } else {
+                &[("plain-unbatched", false)]
+            };
+            for &(mode, speculate) in modes {
                 eprintln!("bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode}");
                 let orchestrator_pid = procs.last().expect("the orchestrator").0.id();
                 let drafter_pid = procs[verifier_count].0.id();
@@ -330,6 +350,18 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         drop(procs);
     }
     print_table(&rows);
+    for row in rows.iter().filter(|r| r.mode == "plain-unbatched") {
+        if let Some(batched) = rows
+            .iter()
+            .find(|r| r.verifiers == 1 && r.concurrency == row.concurrency && r.mode == "plain")
+        {
+            println!(
+                "batching, 1 verifier, {} sessions: {:.2}x the tok/s of one job per pass",
+                row.concurrency,
+                batched.tokens_per_second / row.tokens_per_second
+            );
+        }
+    }
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
