@@ -88,8 +88,9 @@ pub struct Scores {
     pub reused: usize,
     /// Context tokens run through the model for this request.
     pub computed: usize,
-    /// Sequences in the forward pass that served this request.
+    /// Sequences in the forward pass that served this request, and the tokens it computed.
     pub batch_size: usize,
+    pub batch_tokens: usize,
     /// Time the job waited for the engine, and the forward pass itself.
     pub queue_seconds: f64,
     pub forward_seconds: f64,
@@ -521,6 +522,7 @@ impl Worker {
     fn run_batch(&mut self, mut batch: Vec<Planned>) {
         let started = Instant::now();
         let batch_size = batch.len();
+        let batch_tokens: usize = batch.iter().map(|p| p.new_tokens.len()).sum();
         let result = {
             let mut steps: Vec<SequenceStep<'_>> = batch
                 .iter_mut()
@@ -566,6 +568,7 @@ impl Worker {
                             reused: planned.reused.saturating_sub(planned.prefilled),
                             computed: planned.new_tokens.len() + planned.prefilled,
                             batch_size,
+                            batch_tokens,
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),
                             forward_seconds,
                         });

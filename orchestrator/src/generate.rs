@@ -17,8 +17,9 @@ use specd_model::{Sampler, SparseDist, TextModel};
 use specd_proto::v1 as pb;
 
 use crate::acceptance::{accept_greedy, accept_sampled};
-use crate::adaptive::{CostModel, bucket};
+use crate::adaptive::bucket;
 use crate::backend::{DrafterBackend, VerifierBackend};
+use crate::costs::CostModel;
 use crate::error::OrchestratorError;
 use crate::observe;
 use crate::pool::VerifierPool;
@@ -298,14 +299,15 @@ impl Generator {
             verify_span.record("failovers", verified.failovers);
             verify_span.record("computed", response.computed_tokens);
             let verify_seconds = verify_started.elapsed().as_secs_f64();
-            // Cost per scored token: a pass that also (re)computed context (prompt processing,
-            // a cache miss) would distort the curve, so only cache-warm passes count.
-            // Batched with other sessions, the pass time is theirs too: only lone passes
-            // measure the curve; the batch size itself feeds the load term.
-            if response.computed_tokens as usize == draft.len() + 1 && response.batch_size <= 1 {
-                self.costs.record_verify(draft.len(), verify_seconds);
-            }
-            self.costs.record_load(response.batch_size);
+            // Every pass is a point of the verifier's cost curve (time by tokens in the pass),
+            // whoever else was in it; its size and sessions feed the load the policy sees.
+            self.costs.record_verify(
+                response.batch_size,
+                response.batch_tokens,
+                response.forward_seconds,
+                response.queue_seconds,
+                verify_seconds,
+            );
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
             totals.bytes_received += bytes_received;

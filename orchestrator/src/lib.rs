@@ -13,6 +13,7 @@ pub mod adaptive;
 pub mod auth;
 pub mod backend;
 pub mod breaker;
+pub mod costs;
 pub mod error;
 pub mod generate;
 pub mod observe;

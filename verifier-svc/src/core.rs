@@ -126,6 +126,7 @@ impl VerifierCore {
             reused_tokens: scores.reused as u32,
             computed_tokens: scores.computed as u32,
             batch_size: scores.batch_size as u32,
+            batch_tokens: scores.batch_tokens as u32,
             queue_seconds: scores.queue_seconds,
             forward_seconds: scores.forward_seconds,
             replica: self.replica.clone(),
