@@ -62,7 +62,9 @@ pub unsafe fn attend(
     // Asking candle for its thread count reads the environment and the cgroup files.
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let threads = *THREADS.get_or_init(|| candle_core::utils::get_num_threads().max(1));
-    let chunk = (total_rows / (4 * threads)).clamp(1, SCORE_ROWS);
+    // At least a whole GQA group per item: its rows read the same keys and values, which
+    // (not the arithmetic) bound one-token decode at depth.
+    let chunk = (total_rows / (4 * threads)).clamp(group.min(SCORE_ROWS), SCORE_ROWS);
     let mut items = Vec::new();
     for (sequence, seq) in sequences.iter().enumerate() {
         for kv in 0..nkv {
