@@ -72,7 +72,7 @@ impl KPolicy {
             return 0;
         }
         let alpha = self.alpha(bucket);
-        let rate = |k: usize| costs.tokens_per_second(k, expected_tokens(k, alpha));
+        let rate = |k: usize| costs.relative_value(k, expected_tokens(k, alpha));
         let best = (0..=available)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(0);

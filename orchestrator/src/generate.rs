@@ -19,7 +19,7 @@ use specd_proto::v1 as pb;
 use crate::acceptance::{accept_greedy, accept_sampled};
 use crate::adaptive::bucket;
 use crate::backend::{DrafterBackend, VerifierBackend};
-use crate::costs::CostModel;
+use crate::costs::{CostModel, VerifyCall};
 use crate::error::OrchestratorError;
 use crate::observe;
 use crate::pool::VerifierPool;
@@ -301,13 +301,13 @@ impl Generator {
             let verify_seconds = verify_started.elapsed().as_secs_f64();
             // Every pass is a point of the verifier's cost curve (time by tokens in the pass),
             // whoever else was in it; its size and sessions feed the load the policy sees.
-            self.costs.record_verify(
-                response.batch_size,
-                response.batch_tokens,
-                response.forward_seconds,
-                response.queue_seconds,
-                verify_seconds,
-            );
+            self.costs.record_verify(VerifyCall {
+                batch_size: response.batch_size,
+                batch_tokens: response.batch_tokens,
+                forward_seconds: response.forward_seconds,
+                queue_seconds: response.queue_seconds,
+                call_seconds: verify_seconds,
+            });
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
             totals.bytes_received += bytes_received;
