@@ -33,6 +33,10 @@ pub struct EngineBenchArgs {
     /// profile (speculative steps in real workloads run at a few hundred).
     #[arg(long, default_value_t = 64)]
     depth: usize,
+    /// Also measure this many sessions decoding at once, batched against one job per
+    /// forward pass (0: skip).
+    #[arg(long, default_value_t = 16)]
+    sessions: usize,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -215,15 +219,23 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let batching = if args.sessions > 0 {
+        Some(crate::bench_batching::measure(&loaded.engine, args.sessions, 32)?)
+    } else {
+        None
+    };
     print_table(&ours, theirs.as_ref(), args.depth);
     println!("kernels: {}", specd_model::kernels::Kernel::detect().name());
+    if let Some(batching) = &batching {
+        crate::bench_batching::print(batching);
+    }
     if let Some(profile) = &profile {
         crate::bench_profile::print(profile);
     }
     if let Some(out) = &args.json_out {
         let json = serde_json::json!({
             "model": path, "threads": threads, "kernels": specd_model::kernels::Kernel::detect().name(),
-            "specd": ours, "llama_cpp": theirs, "profile": profile,
+            "specd": ours, "llama_cpp": theirs, "profile": profile, "batching": batching,
         });
         std::fs::write(out, serde_json::to_string_pretty(&json)?)?;
     }
