@@ -138,7 +138,8 @@ generate() {
 first=$(generate)
 say "generated: $first"
 
-victim=$(compose ps -q verifier | head -1)
+# Read all of the listing (`head` would close the pipe early: SIGPIPE under pipefail).
+victim=$(compose ps -q verifier | sed -n 1p)
 docker kill "$victim" >/dev/null
 say "killed verifier container ${victim:0:12}"
 second=$(generate)
