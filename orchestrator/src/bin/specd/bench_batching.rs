@@ -9,6 +9,8 @@ use std::time::Instant;
 
 use specd_model::{Engine, ScoreRequest, argmax};
 
+use crate::bench_engine::median;
+
 #[derive(Debug, serde::Serialize)]
 pub struct Batching {
     pub sessions: usize,
@@ -21,11 +23,6 @@ pub struct Batching {
 
 /// Alternating pairs measured.
 const PAIRS: usize = 3;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// Prompt tokens each session starts from (processed before timing).
 const PROMPT: usize = 64;

@@ -52,7 +52,7 @@ struct Figures {
     pass_seconds: Vec<(usize, f64)>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
