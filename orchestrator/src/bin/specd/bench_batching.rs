@@ -7,9 +7,9 @@
 
 use std::time::Instant;
 
-use specd_model::{Engine, ScoreRequest, argmax};
+use specd_model::Engine;
 
-use crate::bench_engine::median;
+use crate::bench_engine::{greedy_step as step, median};
 
 #[derive(Debug, serde::Serialize)]
 pub struct Batching {
@@ -31,17 +31,6 @@ fn prompt(session: usize, vocab: usize) -> Vec<u32> {
     (0..PROMPT)
         .map(|i| ((i * 7919 + session * 104_729 + 13) % vocab) as u32)
         .collect()
-}
-
-/// One greedy step of `sequence`: scores `context` and appends the next token.
-fn step(engine: &Engine, sequence: &str, context: &mut Vec<u32>) -> anyhow::Result<()> {
-    let scores = engine.score_blocking(ScoreRequest {
-        sequence: sequence.into(),
-        logits_from: context.len() - 1,
-        context: context.clone(),
-    })?;
-    context.push(argmax(scores.row(0)));
-    Ok(())
 }
 
 pub fn measure(engine: &Engine, sessions: usize, steps: usize) -> anyhow::Result<Batching> {

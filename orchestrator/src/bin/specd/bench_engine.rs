@@ -52,6 +52,17 @@ struct Figures {
     pass_seconds: Vec<(usize, f64)>,
 }
 
+/// One greedy decode step of `sequence`: scores `context` and appends the next token.
+pub(crate) fn greedy_step(engine: &Engine, sequence: &str, context: &mut Vec<u32>) -> anyhow::Result<()> {
+    let scores = engine.score_blocking(ScoreRequest {
+        sequence: sequence.into(),
+        logits_from: context.len() - 1,
+        context: context.clone(),
+    })?;
+    context.push(argmax(scores.row(0)));
+    Ok(())
+}
+
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -105,12 +116,7 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
         let mut context = tokens(16, vocab);
         let started = Instant::now();
         for _ in 0..args.decode_tokens {
-            let scores = engine.score_blocking(ScoreRequest {
-                sequence: sequence.clone(),
-                logits_from: context.len() - 1,
-                context: context.clone(),
-            })?;
-            context.push(argmax(scores.row(0)));
+            greedy_step(engine, &sequence, &mut context)?;
         }
         decode.push(args.decode_tokens as f64 / started.elapsed().as_secs_f64());
         engine.release(&sequence);
