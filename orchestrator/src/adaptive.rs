@@ -72,9 +72,10 @@ impl KPolicy {
             return 0;
         }
         let alpha = self.alpha(bucket);
-        let rate = |k: usize| costs.relative_value(k, expected_tokens(k, alpha));
+        let expected: Vec<f64> = (0..=available).map(|k| expected_tokens(k, alpha)).collect();
+        let value = costs.relative_values(&expected);
         let best = (0..=available)
-            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+            .max_by(|&a, &b| value[a].total_cmp(&value[b]))
             .unwrap_or(0);
         if best == 0 {
             self.steps_without_draft += 1;

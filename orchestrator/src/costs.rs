@@ -25,7 +25,7 @@ pub struct CostModel {
     inner: Mutex<Costs>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Costs {
     /// Forward-pass seconds for n tokens (index n − 1), once seen.
     pass: Vec<Option<f64>>,
@@ -92,9 +92,10 @@ impl CostModel {
         }
     }
 
-    /// What this session's next step is worth if it verifies `k` drafts and emits
-    /// `expected` tokens, relative to a plain step (1.0; see the module documentation).
-    pub fn relative_value(&self, k: usize, expected: f64) -> f64 {
+    /// What this session's next step is worth if it verifies k drafts and emits
+    /// `expected[k]` tokens, relative to a plain step (1.0; see the module documentation),
+    /// for every k in `0..expected.len()`.
+    pub fn relative_values(&self, expected: &[f64]) -> Vec<f64> {
         let c = self.lock();
         let curve = c.curve();
         let sessions = c.sessions.max(1.0);
@@ -106,10 +107,15 @@ impl CostModel {
             }
             seconds
         };
-        expected * step(0) / step(k).max(1e-12)
+        let plain = step(0);
+        expected
+            .iter()
+            .enumerate()
+            .map(|(k, e)| e * plain / step(k).max(1e-12))
+            .collect()
     }
 
-    /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_value`] prices it).
+    /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_values`] prices it).
     pub fn pass_seconds(&self, n: usize) -> f64 {
         self.lock().curve().seconds(n)
     }
@@ -161,7 +167,13 @@ impl PassCurve {
     /// straight line; beyond the largest the slope of the last two; never less than a
     /// smaller pass's (a noisy sample must not make more tokens look cheaper).
     fn seconds(&self, n: usize) -> f64 {
-        (1..=n.max(1)).map(|size| self.estimate(size)).fold(0.0, f64::max)
+        // Estimates are straight lines between measured sizes and rise outside them, so
+        // the largest over sizes 1..=n is at n or at a measured size below it.
+        let n = n.max(1);
+        self.measured
+            .iter()
+            .take_while(|&&(size, _)| size <= n)
+            .fold(self.estimate(n), |max, &(_, t)| max.max(t))
     }
 
     fn prior(&self, n: usize) -> f64 {
@@ -243,12 +255,9 @@ mod tests {
     }
 
     fn best_k(model: &CostModel, alpha: f64) -> usize {
-        (0..=8)
-            .max_by(|&a, &b| {
-                let value = |k: usize| model.relative_value(k, expected_tokens(k, alpha));
-                value(a).total_cmp(&value(b))
-            })
-            .unwrap()
+        let expected: Vec<f64> = (0..=8).map(|k| expected_tokens(k, alpha)).collect();
+        let values = model.relative_values(&expected);
+        (0..=8).max_by(|&a, &b| values[a].total_cmp(&values[b])).unwrap()
     }
 
     fn set_load(model: &CostModel, sessions: u32) {
@@ -299,10 +308,10 @@ mod tests {
         let draft = model.lock().draft_call;
         // Two drafts, both accepted (3 tokens) in an 11 ms pass plus the drafter call,
         // against 1 token in 10 ms.
-        let value = model.relative_value(2, 3.0);
+        let values = model.relative_values(&[1.0, 2.0, 3.0]);
         let want = 3.0 / (0.011 + draft) * 0.010;
-        assert!((value - want).abs() < 1e-9, "{value} vs {want}");
-        assert!((model.relative_value(0, 1.0) - 1.0).abs() < 1e-12);
+        assert!((values[2] - want).abs() < 1e-9, "{} vs {want}", values[2]);
+        assert!((values[0] - 1.0).abs() < 1e-12);
     }
 
     #[test]
