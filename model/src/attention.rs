@@ -250,21 +250,32 @@ impl Head<'_> {
     }
 }
 
+/// ln 2 split in two so n · ln 2 is subtracted without rounding error ([`exp`]).
+const EXP_LN2_HI: f32 = 0.693_145_75;
+const EXP_LN2_LO: f32 = 1.428_606_8e-6;
+/// Taylor coefficients of eʳ on |r| <= ln2 / 2, highest power first, to r^7 (error < 1e-8
+/// relative), evaluated by Horner's rule.
+const EXP_TAYLOR: [f32; 8] = [
+    1.0 / 5040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// `eˣ` as a branch-free polynomial that vectorises over a slice (within 2 ulp of `f32::exp`;
 /// inputs are clamped to ±87).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split in two so n · ln 2 is subtracted without rounding error.
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let x = x.clamp(-87.0, 87.0);
-    let n = (x * LOG2_E).round_ties_even();
-    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
-    // e^r on |r| <= ln2 / 2, Taylor to r^7 (error < 1e-8 relative).
-    let mut p: f32 = 1.0 / 5040.0;
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = p.mul_add(r, c);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(EXP_LN2_LO, (-n).mul_add(EXP_LN2_HI, x));
+    let mut p = EXP_TAYLOR[0];
+    for c in &EXP_TAYLOR[1..] {
+        p = p.mul_add(r, *c);
     }
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }

@@ -14,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{AttentionShape, SequenceAttention};
+use super::{AttentionShape, EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
 use crate::kernels::SendPtr;
 use crate::kv_cache::KEY_TILE;
 
@@ -85,24 +85,23 @@ pub unsafe fn attend(
     }
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         SCRATCH.with_borrow_mut(|scratch| {
+            // The row list is reused from item to item (taken out while the scratch is lent).
+            let mut rows = std::mem::take(&mut scratch.rows);
             for item in &items[range] {
                 let seq = &sequences[item.sequence];
-                let rows: Vec<Row> = item
-                    .rows
-                    .clone()
-                    .map(|r| {
-                        let (i, head) = (r / group, item.kv * group + r % group);
-                        let at = ((first_row[item.sequence] + i) * nh + head) * hd;
-                        Row {
-                            query: at,
-                            visible: seq.start + i + 1,
-                        }
-                    })
-                    .collect();
+                rows.clear();
+                rows.extend(item.rows.clone().map(|r| {
+                    let (i, head) = (r / group, item.kv * group + r % group);
+                    Row {
+                        query: ((first_row[item.sequence] + i) * nh + head) * hd,
+                        visible: seq.start + i + 1,
+                    }
+                }));
                 // SAFETY: the CPU has AVX-512 F (the caller's contract); bounds checked above
                 // and in `item_attend`; each (row, head) output slice belongs to one item.
                 unsafe { item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr) };
             }
+            scratch.rows = rows;
         });
     });
 }
@@ -111,19 +110,17 @@ pub unsafe fn attend(
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn exp16(x: __m512) -> __m512 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(87.0));
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     let n = _mm512_roundscale_ps::<NEAREST>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
     let minus_n = _mm512_sub_ps(_mm512_setzero_ps(), n);
     let r = _mm512_fmadd_ps(
         minus_n,
-        _mm512_set1_ps(LN2_LO),
-        _mm512_fmadd_ps(minus_n, _mm512_set1_ps(LN2_HI), x),
+        _mm512_set1_ps(EXP_LN2_LO),
+        _mm512_fmadd_ps(minus_n, _mm512_set1_ps(EXP_LN2_HI), x),
     );
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let mut p = _mm512_set1_ps(EXP_TAYLOR[0]);
+    for &c in &EXP_TAYLOR[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
@@ -138,6 +135,8 @@ struct Row {
 
 #[derive(Default)]
 struct Scratch {
+    /// The work item's query rows.
+    rows: Vec<Row>,
     /// Scaled queries, `[row][head_dim]`.
     queries: Vec<f32>,
     /// Softmax weights (unnormalised), `[row][positions]`.
