@@ -64,12 +64,9 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// An empty cache; host keys in the layout this CPU's attention reads best.
     pub fn new(cfg: &LlamaConfig, device: &Device) -> Result<Self> {
-        Self::with_key_layout(cfg, device, KeyLayout::for_this_cpu(cfg.head_dim))
-    }
-
-    /// A cache whose host keys are stored in `key_layout`.
-    pub fn with_key_layout(cfg: &LlamaConfig, device: &Device, key_layout: KeyLayout) -> Result<Self> {
+        let key_layout = KeyLayout::for_this_cpu(cfg.head_dim);
         let capacity = INITIAL_CAPACITY.min(cfg.context_length).max(1);
         let mut cache = Self {
             layers: Vec::with_capacity(cfg.n_layer),
