@@ -23,6 +23,8 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 mod avx2_groups;
 #[cfg(target_arch = "x86_64")]
+mod avx2_lanes;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod groups;
@@ -60,7 +62,8 @@ enum Layout {
     /// nibble; 8-bit: the two blocks' 64 bytes), then `[row][block]` f16 scales and minimums
     /// (Q6_K: `[row][block][half]` scales).
     Groups,
-    /// For the AVX-512 kernels: the records of [`Layout::Groups`], with the 8 blocks of a
+    /// For the AVX-512 kernels, and the AVX2 kernel of 4-bit weights (which reads each
+    /// 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a
     /// record ("slots" s = 2 · row + block) interleaved across four 64-byte registers:
     /// register j holds, for every slot, values `4j..4j + 4` and `16 + 4j..16 + 4j + 4` at
     /// bytes `8s..8s + 8`. One `vpdpbusd` lane then always sums values of one half block.
@@ -94,7 +97,7 @@ pub struct QuantizedRows {
     scales: Vec<f32>,
     sums: Vec<f32>,
     quants: Vec<i8>,
-    /// For the AVX-512 kernels (filled when they are the ones quantising): per row and block
+    /// For the lane kernels (filled by the AVX-512 and AVX2 quantisers): per row and block
     /// pair, the values interleaved as [`Layout::Lanes`] reads them (64 bytes: for j in
     /// 0..4, 8 bytes of the first block then 8 of the second, each as in a weight slot), the
     /// scales `[d₀, d₀, d₁, d₁]` and `−128 · Σ` over each half block (the correction of
@@ -131,6 +134,9 @@ impl QuantMatrix {
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
         Some(match kernel {
             Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
+            // AVX2 has no `vpdpbusd`: the lane layout pays for 4-bit weights (whose `maddubs`
+            // products can be summed in i16), not for 8-bit ones.
+            Kernel::Avx2 if matrix.family == Family::Nibbles => matrix.into_layout(Layout::Lanes),
             Kernel::Avx2 => matrix.into_layout(Layout::Groups),
             Kernel::Portable => matrix,
         })
@@ -295,6 +301,30 @@ impl QuantMatrix {
                     }
                 }
                 t += if two { 2 } else { 1 };
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.layout == Layout::Lanes && kernel == Kernel::Avx2 {
+            assert!(
+                self.family == Family::Nibbles && j0.is_multiple_of(COL_TILE),
+                "the AVX2 lane kernel takes 4-bit weights"
+            );
+            let group = j0 / COL_TILE;
+            let mut t = 0;
+            while t < count {
+                let rows = (count - t).min(avx2_lanes::MAX_ROWS);
+                // SAFETY: lane-layout weights exist only when the CPU has AVX2, FMA and F16C
+                // (see `from_qtensor_for`); the kernel checks every bound it uses.
+                unsafe {
+                    match rows {
+                        4 => avx2_lanes::q4_lanes::<4>(self, group, x, r0 + t, t, out),
+                        3 => avx2_lanes::q4_lanes::<3>(self, group, x, r0 + t, t, out),
+                        2 => avx2_lanes::q4_lanes::<2>(self, group, x, r0 + t, t, out),
+                        _ => avx2_lanes::q4_lanes::<1>(self, group, x, r0 + t, t, out),
+                    }
+                }
+                t += rows;
             }
             return;
         }
@@ -495,7 +525,9 @@ impl QuantizedRows {
                 return;
             }
             Kernel::Avx2 => {
+                // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
                 unsafe { avx2_groups::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
+                self.interleave_lanes();
                 return;
             }
             Kernel::Portable => {}
@@ -513,6 +545,33 @@ impl QuantizedRows {
             self.scales.push(f16::from_f32(d).to_f32());
             self.sums.push(f16::from_f32(d * sum as f32).to_f32());
         }
+    }
+}
+
+impl QuantizedRows {
+    /// Writes the interleaved copy the lane kernels read (see [`QuantizedRows::lane_quants`])
+    /// from the quantised values, as the AVX-512 quantiser writes it directly.
+    #[cfg(target_arch = "x86_64")]
+    fn interleave_lanes(&mut self) {
+        let pairs = self.m * self.blocks.div_ceil(2);
+        self.lane_quants.clear();
+        self.lane_quants.resize(pairs * LANE_PAIR_BYTES, 0);
+        self.lane_scales.clear();
+        self.lane_scales.resize(4 * pairs, 0.0);
+        self.lane_offsets.clear();
+        self.lane_offsets.resize(4 * pairs, 0);
+        // SAFETY: called after the AVX2 quantiser, so the CPU has AVX2; buffers sized above.
+        unsafe {
+            avx2_lanes::interleave(
+                &self.quants,
+                &self.scales,
+                self.blocks,
+                &mut self.lane_quants,
+                &mut self.lane_scales,
+                &mut self.lane_offsets,
+            )
+        };
+        self.lanes_ready = true;
     }
 }
 

@@ -22,7 +22,7 @@ fn hsum(v: __m256) -> f32 {
 /// `[a, b]` repeated four times, from two consecutive floats (`b` = 0 unless `two`).
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn pair4(v: *const f32, two: bool) -> __m256 {
+pub(super) unsafe fn pair4(v: *const f32, two: bool) -> __m256 {
     unsafe {
         let low = if two {
             _mm_load_sd(v as *const f64)

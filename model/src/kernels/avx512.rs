@@ -13,7 +13,7 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, prefetch};
+use super::groups::{check, check_lanes, min_terms, prefetch};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// The group's f16 metadata for one record, `[row][block]`, as 8 floats.
@@ -29,18 +29,6 @@ unsafe fn meta8(v: *const u16) -> __m256 {
 fn spread_slots(meta: __m256) -> __m512 {
     let index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     _mm512_permutexvar_ps(index, _mm512_castps256_ps512(meta))
-}
-
-/// Bounds of the interleaved activations every kernel reads.
-fn check_lanes(x: &QuantizedRows, r0: usize, rows: usize) {
-    let pairs = x.blocks.div_ceil(2);
-    assert!(
-        x.lanes_ready
-            && x.lane_quants.len() >= (r0 + rows) * pairs * LANE_PAIR_BYTES
-            && x.lane_scales.len() >= (r0 + rows) * pairs * 4
-            && x.lane_offsets.len() >= (r0 + rows) * pairs * 4,
-        "activations must be quantised for the AVX-512 kernels"
-    );
 }
 
 /// One record's integer dot products with activation row `r`'s pair `p`: lane 4c + 2h + l
@@ -144,33 +132,12 @@ pub unsafe fn q4_lanes<const R: usize>(
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[t]);
         }
     }
-    // The minimums' term, Σ min · (activation scale · Σq), in a second, light pass: lanes
-    // [row][block] per activation row.
-    let mut min_acc = [_mm256_setzero_ps(); R];
-    for p in 0..pairs {
-        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
-        // SAFETY: the record and row r0 + t's blocks are in bounds (checked above).
-        let mins = unsafe { meta8(w.mins.as_ptr().add(record * 2 * COL_TILE)) };
-        for t in 0..R {
-            let sums = unsafe {
-                let s = x.sums.as_ptr().add((r0 + t) * nb + b);
-                if two {
-                    _mm_castpd_ps(_mm_load_sd(s as *const f64))
-                } else {
-                    _mm_load_ss(s)
-                }
-            };
-            let sums = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(sums)));
-            min_acc[t] = _mm256_fmadd_ps(mins, sums, min_acc[t]);
-        }
-    }
+    // SAFETY: the records' minimums and the rows' sums are in bounds (checked above).
+    let mins = unsafe { min_terms::<R>(w, group, x, r0) };
     for t in 0..R {
-        let mut mins = [0f32; 8];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(mins.as_mut_ptr(), min_acc[t]) };
         let sums = lane_sums(acc[t]);
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = sums[4 * c] + (mins[2 * c] + mins[2 * c + 1]);
+            out[c * ROW_TILE + t] = sums[4 * c] + mins[t][c];
         }
     }
 }

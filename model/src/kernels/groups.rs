@@ -1,9 +1,12 @@
-//! What the grouped-layout kernels (AVX-512 and AVX2) share: the bounds they check and the
-//! software prefetch of their weight stream.
+//! What the grouped- and lane-layout kernels (AVX-512 and AVX2) share: the bounds they
+//! check, the software prefetch of their weight stream and the minimum term of 4-bit
+//! formats.
 
-use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+#![allow(clippy::needless_range_loop)]
 
-use super::{COL_TILE, QuantMatrix, QuantizedRows, ROW_TILE};
+use std::arch::x86_64::*;
+
+use super::{COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// Checks the bounds every unchecked access of a group kernel relies on.
 pub(super) fn check(
@@ -49,4 +52,66 @@ pub(super) fn prefetch(w: &QuantMatrix, record: usize, bytes_per_row: usize) {
         let mins = w.mins.as_ptr().wrapping_add((record + 4 * AHEAD) * 2 * COL_TILE);
         _mm_prefetch::<_MM_HINT_T0>(mins as *const i8);
     }
+}
+
+/// Bounds of the interleaved activations the lane kernels read.
+pub(super) fn check_lanes(x: &QuantizedRows, r0: usize, rows: usize) {
+    let pairs = x.blocks.div_ceil(2);
+    assert!(
+        x.lanes_ready
+            && x.lane_quants.len() >= (r0 + rows) * pairs * LANE_PAIR_BYTES
+            && x.lane_scales.len() >= (r0 + rows) * pairs * 4
+            && x.lane_offsets.len() >= (r0 + rows) * pairs * 4,
+        "activations must be quantised with their interleaved copy for the lane kernels"
+    );
+}
+
+/// The minimums' term of 4-bit weights in the lane layout, Σ min · (activation scale · Σq),
+/// for weight rows `4 · group ..` (index c) and activation rows `r0..r0 + R` (index t): a
+/// light pass over the records' minimums, lanes `[row][block]` per activation row, each
+/// row's two lanes added last.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the bounds must have been checked ([`check`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn min_terms<const R: usize>(
+    w: &QuantMatrix,
+    group: usize,
+    x: &QuantizedRows,
+    r0: usize,
+) -> [[f32; COL_TILE]; R] {
+    let nb = x.blocks;
+    let pairs = nb.div_ceil(2);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for p in 0..pairs {
+        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
+        // SAFETY: the record and row r0 + t's blocks are in bounds (checked by the caller).
+        let mins = unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(
+                w.mins.as_ptr().add(record * 2 * COL_TILE) as *const __m128i
+            ))
+        };
+        for t in 0..R {
+            let sums = unsafe {
+                let s = x.sums.as_ptr().add((r0 + t) * nb + b);
+                if two {
+                    _mm_castpd_ps(_mm_load_sd(s as *const f64))
+                } else {
+                    _mm_load_ss(s)
+                }
+            };
+            let sums = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(sums)));
+            acc[t] = _mm256_fmadd_ps(mins, sums, acc[t]);
+        }
+    }
+    let mut terms = [[0f32; COL_TILE]; R];
+    for t in 0..R {
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+        for c in 0..COL_TILE {
+            terms[t][c] = lanes[2 * c] + lanes[2 * c + 1];
+        }
+    }
+    terms
 }

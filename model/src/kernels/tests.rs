@@ -307,11 +307,37 @@ fn every_quantiser_gives_the_portable_result() {
         (0.0, 0.0)
     );
     assert!(portable.quants[k..k + 32].iter().all(|&q| q == 0));
+    // The interleaved copies for the lane kernels: the AVX-512 quantiser writes its own, the
+    // AVX2 one derives it from the values; both must be the same bytes.
+    let mut interleaved: Option<(Kernel, QuantizedRows)> = None;
     for kernel in Kernel::available() {
         let mut fast = QuantizedRows::default();
         fast.quantize_with(kernel, &x, 3, k);
         assert_eq!(fast.scales, portable.scales, "{kernel:?}");
         assert_eq!(fast.sums, portable.sums, "{kernel:?}");
         assert_eq!(fast.quants, portable.quants, "{kernel:?}");
+        if !fast.lanes_ready {
+            continue;
+        }
+        // Value v of block b (pair b / 2, block h = b % 2) sits at 16 · (v % 16 / 4) + 8h +
+        // 4 · (v / 16) + v % 4 of its pair's 64 bytes.
+        let pairs = (k / BLOCK).div_ceil(2);
+        for (i, &q) in fast.quants.iter().enumerate() {
+            let (row, b, v) = (i / k, (i % k) / BLOCK, i % BLOCK);
+            let at = (row * pairs + b / 2) * LANE_PAIR_BYTES
+                + 16 * (v % 16 / 4)
+                + 8 * (b % 2)
+                + 4 * (v / 16)
+                + v % 4;
+            assert_eq!(fast.lane_quants[at], q, "{kernel:?} value {i}");
+        }
+        match &interleaved {
+            Some((first, other)) => {
+                assert_eq!(fast.lane_quants, other.lane_quants, "{kernel:?} vs {first:?}");
+                assert_eq!(fast.lane_scales, other.lane_scales, "{kernel:?} vs {first:?}");
+                assert_eq!(fast.lane_offsets, other.lane_offsets, "{kernel:?} vs {first:?}");
+            }
+            None => interleaved = Some((kernel, fast)),
+        }
     }
 }
