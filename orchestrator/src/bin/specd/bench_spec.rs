@@ -28,6 +28,10 @@ pub struct SpecBenchArgs {
     /// K ceiling for speculation.
     #[arg(long, default_value_t = 8)]
     max_k: u32,
+    /// Times each prompt is run in every mode, the modes alternating (plain, adaptive, …,
+    /// plain, …), so a drifting machine weighs on every mode alike; figures are totals.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    repetitions: u32,
     /// Also run fixed-K speculation at these K (comma separated), beside adaptive K.
     #[arg(long, value_delimiter = ',')]
     fixed_k: Vec<u32>,
@@ -124,7 +128,9 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     run_one(&generator, "Hello", &args, "plain").await?;
     run_one(&generator, "Hello", &args, "adaptive").await?;
     let mut all = Vec::new();
-    let runs = modes.len() * workloads.workloads.iter().map(|w| w.prompts.len()).sum::<usize>();
+    let runs = args.repetitions as usize
+        * modes.len()
+        * workloads.workloads.iter().map(|w| w.prompts.len()).sum::<usize>();
     let mut run = 0;
     for workload in &workloads.workloads {
         let mut results: Vec<ModeResult> = modes
@@ -137,7 +143,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
             .collect();
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
-            for (mode, result) in modes.iter().zip(results.iter_mut()) {
+            for (mode, result) in (0..args.repetitions).flat_map(|_| modes.iter().zip(0..)) {
+                let result = &mut results[result];
                 run += 1;
                 eprintln!(
                     "bench spec [{run}/{runs}]: {} prompt {} {mode}",
