@@ -199,10 +199,12 @@ async fn a_killed_drafter_costs_speculation_and_rejoins_when_restarted() {
             .into_inner();
         assert_eq!(response.token_ids, before.token_ids);
     }
+    // Tripped: open, or half-open when those requests outlasted the open period (a slow
+    // machine); either way no proposal reaches the dead drafter but a lone probe.
     let replicas = stack.replicas().await;
-    assert_eq!(
-        replicas.drafter_breaker,
-        pb::BreakerState::Open as i32,
+    assert!(
+        [pb::BreakerState::Open as i32, pb::BreakerState::HalfOpen as i32]
+            .contains(&replicas.drafter_breaker),
         "{replicas:?}"
     );
     let response = client.generate(copy_heavy()).await.unwrap().into_inner();
