@@ -55,7 +55,7 @@ pub enum Family {
 enum Layout {
     /// Row after row, block after block (the portable kernels).
     Rows,
-    /// For the AVX2 kernels: groups of [`COL_TILE`] rows (zero-padded), and within a group
+    /// For the AVX2 kernels of 8-bit weights: groups of [`COL_TILE`] rows (zero-padded), and within a group
     /// each pair of blocks of all its rows together (a record), so the kernel reads one
     /// sequential stream. Per record: the rows' quants (4-bit: 32 bytes per row, byte i
     /// holding value i of the first block in its low nibble and of the second in its high
@@ -282,10 +282,6 @@ impl QuantMatrix {
                 // `from_qtensor_for`); the kernel checks every bound it uses.
                 unsafe {
                     match (self.family, two) {
-                        (Family::Nibbles, true) => avx2_groups::q4_group::<2>(self, group, x, r0 + t, t, out),
-                        (Family::Nibbles, false) => {
-                            avx2_groups::q4_group::<1>(self, group, x, r0 + t, t, out)
-                        }
                         (Family::Bytes, true) => {
                             avx2_groups::q8_group::<2, 1>(self, group, x, r0 + t, t, out)
                         }
@@ -297,6 +293,9 @@ impl QuantMatrix {
                         }
                         (Family::Bytes16, false) => {
                             avx2_groups::q8_group::<1, 2>(self, group, x, r0 + t, t, out)
+                        }
+                        (Family::Nibbles, _) => {
+                            unreachable!("4-bit weights take the lane layout on AVX2")
                         }
                     }
                 }

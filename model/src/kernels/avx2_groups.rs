@@ -1,8 +1,9 @@
-//! AVX2 kernels over the grouped layout (see `Layout::Groups`): one sequential, prefetched
-//! weight stream per group of 4 weight rows, one 32-value block per 256-bit register
-//! (`maddubs` products), four independent accumulators per activation row. AVX2 has 16
-//! registers, so a call takes at most 2 activation rows. Each output element's arithmetic is
-//! the same whatever the number of rows, so results are batch-invariant.
+//! AVX2 kernels for 8-bit weights over the grouped layout (see `Layout::Groups`; 4-bit
+//! weights use the lane layout, `avx2_lanes`): one sequential, prefetched weight stream per
+//! group of 4 weight rows, one 32-value block per 256-bit register (`maddubs` products),
+//! four independent accumulators per activation row. AVX2 has 16 registers, so a call takes
+//! at most 2 activation rows. Each output element's arithmetic is the same whatever the
+//! number of rows, so results are batch-invariant. Also the AVX2 activation quantiser.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -53,87 +54,6 @@ fn dot(w: __m256i, x: __m256i) -> __m256 {
         _mm256_maddubs_epi16(w, x),
         _mm256_set1_epi16(1),
     ))
-}
-
-/// 4-bit weights × int8 activations for weight rows `4 · group ..` and activation rows
-/// `r0..r0 + R`, into `out[c * ROW_TILE + t0 + t]`.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `w` must be grouped and of the 4-bit family.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_group<const R: usize>(
-    w: &QuantMatrix,
-    group: usize,
-    x: &QuantizedRows,
-    r0: usize,
-    t0: usize,
-    out: &mut [f32],
-) {
-    check(w, group, x, r0, R, BLOCK);
-    assert!(t0 + R <= ROW_TILE && w.mins.len() == w.scales.len());
-    let (nb, pairs) = (x.blocks, x.blocks.div_ceil(2));
-    let mut acc = [[_mm256_setzero_ps(); R]; COL_TILE];
-    let mut min_acc = [_mm256_setzero_ps(); R];
-    let low = _mm256_set1_epi8(0x0F);
-    for p in 0..pairs {
-        let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
-        prefetch(w, record, BLOCK);
-        // SAFETY: the record is in bounds (checked above).
-        let (scales, mins) = unsafe {
-            (
-                _mm256_cvtph_ps(_mm_loadu_si128(
-                    w.scales.as_ptr().add(record * 2 * COL_TILE) as *const __m128i
-                )),
-                _mm256_cvtph_ps(_mm_loadu_si128(
-                    w.mins.as_ptr().add(record * 2 * COL_TILE) as *const __m128i
-                )),
-            )
-        };
-        // Per row: lanes [c][block] of weight scale × activation scale, and x's two blocks.
-        let mut ds = [_mm256_setzero_ps(); R];
-        let mut xs = [[_mm256_setzero_si256(); 2]; R];
-        for t in 0..R {
-            let r = r0 + t;
-            // SAFETY: row r's blocks b (and b + 1 when two) are in bounds (checked above).
-            unsafe {
-                ds[t] = _mm256_mul_ps(scales, pair4(x.scales.as_ptr().add(r * nb + b), two));
-                min_acc[t] = _mm256_fmadd_ps(mins, pair4(x.sums.as_ptr().add(r * nb + b), two), min_acc[t]);
-                xs[t] = [load_x(x, r, b, true), load_x(x, r, b + 1, two)];
-            }
-        }
-        for c in 0..COL_TILE {
-            // SAFETY: as above; 32 bytes per weight row.
-            let raw = unsafe {
-                _mm256_loadu_si256(w.quants.as_ptr().add((record * COL_TILE + c) * BLOCK) as *const __m256i)
-            };
-            let first = _mm256_and_si256(raw, low);
-            let second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            let (i0, i1) = (
-                _mm256_set1_epi32(2 * c as i32),
-                _mm256_set1_epi32(2 * c as i32 + 1),
-            );
-            for t in 0..R {
-                acc[c][t] = _mm256_fmadd_ps(
-                    dot(first, xs[t][0]),
-                    _mm256_permutevar8x32_ps(ds[t], i0),
-                    acc[c][t],
-                );
-                acc[c][t] = _mm256_fmadd_ps(
-                    dot(second, xs[t][1]),
-                    _mm256_permutevar8x32_ps(ds[t], i1),
-                    acc[c][t],
-                );
-            }
-        }
-    }
-    for t in 0..R {
-        let mut lanes = [0f32; 8];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), min_acc[t]) };
-        for c in 0..COL_TILE {
-            out[c * ROW_TILE + t0 + t] = hsum(acc[c][t]) + (lanes[2 * c] + lanes[2 * c + 1]);
-        }
-    }
 }
 
 /// Signed 8-bit weights × int8 activations (`maddubs` takes |w| and x with w's sign), with
