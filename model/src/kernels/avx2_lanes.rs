@@ -5,9 +5,8 @@
 //! 4 · 2 · 15 · 127 = 15240, so the sum cannot overflow — and widened once with `madd`; a
 //! horizontal add then gives one 32-bit lane per block, so the int → float conversion and
 //! scaling run once per record and activation row, instead of once per block, weight row and
-//! activation row as in the grouped kernels. Each output
-//! element's arithmetic is the same whatever the number of rows, so results are
-//! batch-invariant.
+//! activation row as in the grouped kernels. Each output element's arithmetic is the same
+//! whatever the number of rows, so results are batch-invariant.
 
 #![allow(clippy::needless_range_loop)]
 
