@@ -13,6 +13,7 @@ use specd_orchestrator::Generator;
 use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
 
+use crate::bench_cap::{Trace, oracle_cap};
 use crate::plot::{Panel, grouped_bars};
 
 const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
@@ -121,13 +122,23 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let workloads: Workloads = serde_json::from_str(&text)?;
     let model = args.model.clone();
     let loaded = tokio::task::spawn_blocking(move || model.load()).await??;
-    let generator = in_process(loaded, GeneratorSettings::default());
+    let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.chat_template.clone());
+    let settings = GeneratorSettings::default();
+    let ngram = settings.ngram;
+    let generator = in_process(loaded, settings);
+    // The prompt's tokens as the generator builds them (one user message, chat template).
+    let prompt_tokens = |prompt: &str| -> anyhow::Result<Vec<u32>> {
+        let template = template.as_ref().context("the model has no chat template")?;
+        let text = template.render(&[specd_model::ChatMessage::new("user", prompt)], true)?;
+        Ok(tokenizer.encode(&text)?)
+    };
     let mut modes = vec!["plain".to_string(), "adaptive".to_string()];
     modes.extend(args.fixed_k.iter().map(|k| format!("k={k}")));
     // Warm-up (page in weights, settle the cost model).
     run_one(&generator, "Hello", &args, "plain").await?;
     run_one(&generator, "Hello", &args, "adaptive").await?;
     let mut all = Vec::new();
+    let mut traces: Vec<Vec<Trace>> = Vec::new();
     let runs = args.repetitions as usize
         * modes.len()
         * workloads.workloads.iter().map(|w| w.prompts.len()).sum::<usize>();
@@ -141,6 +152,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 ..ModeResult::default()
             })
             .collect();
+        let mut workload_traces = Vec::new();
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
             for (mode, result) in (0..args.repetitions).flat_map(|_| modes.iter().zip(0..)) {
@@ -155,6 +167,13 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 let s = r.stats.unwrap_or_default();
                 if mode == "plain" {
                     plain_ids = r.token_ids.clone();
+                    if workload_traces.len() == i {
+                        let prompt = prompt_tokens(prompt)?;
+                        workload_traces.push(Trace {
+                            prompt_len: prompt.len(),
+                            context: [prompt, r.token_ids.clone()].concat(),
+                        });
+                    }
                 } else {
                     result.identical_to_plain &= r.token_ids == plain_ids;
                 }
@@ -180,14 +199,32 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
             }
         }
         all.push((workload.name.clone(), results));
+        traces.push(workload_traces);
     }
     print_table(&all);
+    // Priced on the pass times this run measured (its speculative steps' passes).
+    let pass_seconds = |n: usize| generator.costs.pass_seconds(n);
+    let caps: Vec<f64> = traces
+        .iter()
+        .map(|t| oracle_cap(t, args.max_k as usize, ngram, pass_seconds))
+        .collect();
+    println!(
+        "\noracle-K cap (prompt lookup replayed on the plain outputs, each step verifying exactly the drafts that will be accepted, priced on this run's pass curve: n = 2..5 cost x{})",
+        (2..=5)
+            .map(|n| format!("{:.2}", pass_seconds(n) / pass_seconds(1)))
+            .collect::<Vec<_>>()
+            .join("/")
+    );
+    for ((name, _), cap) in all.iter().zip(&caps) {
+        println!("{name:<15} {cap:>7.2}x");
+    }
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
     let json: Vec<_> = all
         .iter()
-        .map(|(name, results)| serde_json::json!({ "workload": name, "results": results }))
+        .zip(&caps)
+        .map(|((name, results), cap)| serde_json::json!({ "workload": name, "results": results, "oracle_k_cap": cap }))
         .collect();
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}", args.json_out.display());

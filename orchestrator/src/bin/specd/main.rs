@@ -5,6 +5,7 @@
 //! `specd replicas` and `specd trace-sink` help operate a deployment.
 
 mod bench_batching;
+mod bench_cap;
 mod bench_engine;
 mod bench_load;
 mod bench_profile;

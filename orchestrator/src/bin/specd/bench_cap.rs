@@ -1,0 +1,89 @@
+//! The speed-up cap a `bench spec` run's own pass curve implies: prompt lookup replayed over
+//! the plain (greedy) outputs with an oracle K — every step verifies exactly the drafts that
+//! will be accepted, and none when the first would be rejected — priced on the verifier pass
+//! times the run measured. No K policy beats it with this drafter on this machine; the gap
+//! between it and a measured speed-up is what a better K choice could still win, and the gap
+//! between it and a goal is what only a flatter pass curve or a better drafter can close.
+
+use specd_drafter::NgramConfig;
+use specd_drafter::ngram::propose;
+
+/// One greedy generation: the prompt's tokens followed by the generated ones.
+pub struct Trace {
+    pub context: Vec<u32>,
+    pub prompt_len: usize,
+}
+
+/// Plain-decoding speed over oracle-K speculative speed (≥ 1 means speculation could pay), over
+/// all `traces`' decode phases (after the first generated token, as the bench measures),
+/// with drafts capped at `max_k`. `pass_seconds(n)` is the verifier's time for a pass of n
+/// tokens.
+pub fn oracle_cap(
+    traces: &[Trace],
+    max_k: usize,
+    config: NgramConfig,
+    pass_seconds: impl Fn(usize) -> f64,
+) -> f64 {
+    let (mut tokens, mut seconds) = (0usize, 0f64);
+    for trace in traces {
+        let end = trace.context.len();
+        let mut at = trace.prompt_len + 1;
+        while at < end {
+            let proposal = propose(&trace.context[..at], max_k.min(end - at - 1), config);
+            let accepted = proposal
+                .tokens
+                .iter()
+                .zip(&trace.context[at..])
+                .take_while(|(draft, actual)| draft == actual)
+                .count();
+            seconds += pass_seconds(1 + accepted);
+            tokens += accepted + 1;
+            at += accepted + 1;
+        }
+    }
+    if seconds <= 0.0 {
+        return 1.0;
+    }
+    tokens as f64 * pass_seconds(1) / seconds
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(prompt: &[u32], output: &[u32]) -> Trace {
+        Trace {
+            context: [prompt, output].concat(),
+            prompt_len: prompt.len(),
+        }
+    }
+
+    #[test]
+    fn nothing_to_copy_caps_at_plain_speed() {
+        let t = trace(&[1, 2, 3], &[4, 5, 6, 7, 8, 9]);
+        let cap = oracle_cap(&[t], 8, NgramConfig::default(), |n| 1.0 + 0.1 * n as f64);
+        assert!((cap - 1.0).abs() < 1e-12, "{cap}");
+    }
+
+    #[test]
+    fn a_verbatim_copy_with_free_drafts_emits_k_plus_one_per_pass() {
+        let body: Vec<u32> = (10..60).collect();
+        // The output repeats the prompt's body after its first token: after one generated
+        // token every proposal is right, 4 drafts per pass plus the bonus token.
+        let t = trace(&body, &body[..41]);
+        let cap = oracle_cap(&[t], 4, NgramConfig::default(), |_| 1.0);
+        assert!((cap - 5.0).abs() < 1e-12, "{cap}");
+        // A pass that costs its tokens in full leaves nothing to win.
+        let t = trace(&body, &body[..41]);
+        let cap = oracle_cap(&[t], 4, NgramConfig::default(), |n| n as f64);
+        assert!((cap - 1.0).abs() < 1e-12, "{cap}");
+    }
+
+    #[test]
+    fn a_wrong_draft_costs_nothing_under_the_oracle() {
+        // "7 8" recurs but is followed by something else: the oracle drafts nothing there.
+        let t = trace(&[7, 8, 1, 2], &[7, 8, 3, 4]);
+        let cap = oracle_cap(&[t], 4, NgramConfig::default(), |n| n as f64);
+        assert!(cap >= 1.0, "{cap}");
+    }
+}
