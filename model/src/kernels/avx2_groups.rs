@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, prefetch};
+use super::groups::{check, pair4, prefetch};
 use super::{BLOCK, COL_TILE, QuantMatrix, QuantizedRows, ROW_TILE};
 
 #[inline]
@@ -18,20 +18,6 @@ fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-}
-
-/// `[a, b]` repeated four times, from two consecutive floats (`b` = 0 unless `two`).
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn pair4(v: *const f32, two: bool) -> __m256 {
-    unsafe {
-        let low = if two {
-            _mm_load_sd(v as *const f64)
-        } else {
-            _mm_castps_pd(_mm_load_ss(v))
-        };
-        _mm256_castpd_ps(_mm256_broadcastsd_pd(low))
-    }
 }
 
 /// Block `b` of activation row `r` (zero when `present` is false: a lone last block's pair).

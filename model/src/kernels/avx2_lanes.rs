@@ -12,8 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_groups::pair4;
-use super::groups::{check, check_lanes, min_terms, prefetch};
+use super::groups::{check, check_lanes, min_terms, pair4, prefetch};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// Most activation rows one call takes: per row an accumulator and half A's dot products,

@@ -54,6 +54,20 @@ pub(super) fn prefetch(w: &QuantMatrix, record: usize, bytes_per_row: usize) {
     }
 }
 
+/// `[a, b]` repeated four times, from two consecutive floats (`b` = 0 unless `two`).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn pair4(v: *const f32, two: bool) -> __m256 {
+    unsafe {
+        let low = if two {
+            _mm_load_sd(v as *const f64)
+        } else {
+            _mm_castps_pd(_mm_load_ss(v))
+        };
+        _mm256_castpd_ps(_mm256_broadcastsd_pd(low))
+    }
+}
+
 /// Bounds of the interleaved activations the lane kernels read.
 pub(super) fn check_lanes(x: &QuantizedRows, r0: usize, rows: usize) {
     let pairs = x.blocks.div_ceil(2);
@@ -92,15 +106,8 @@ pub(super) unsafe fn min_terms<const R: usize>(
             ))
         };
         for t in 0..R {
-            let sums = unsafe {
-                let s = x.sums.as_ptr().add((r0 + t) * nb + b);
-                if two {
-                    _mm_castpd_ps(_mm_load_sd(s as *const f64))
-                } else {
-                    _mm_load_ss(s)
-                }
-            };
-            let sums = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(sums)));
+            // SAFETY: row r0 + t's blocks b (and b + 1 when two) are in bounds.
+            let sums = unsafe { pair4(x.sums.as_ptr().add((r0 + t) * nb + b), two) };
             acc[t] = _mm256_fmadd_ps(mins, sums, acc[t]);
         }
     }
