@@ -55,12 +55,11 @@ pub enum Family {
 enum Layout {
     /// Row after row, block after block (the portable kernels).
     Rows,
-    /// For the AVX2 kernels of 8-bit weights: groups of [`COL_TILE`] rows (zero-padded), and within a group
-    /// each pair of blocks of all its rows together (a record), so the kernel reads one
-    /// sequential stream. Per record: the rows' quants (4-bit: 32 bytes per row, byte i
-    /// holding value i of the first block in its low nibble and of the second in its high
-    /// nibble; 8-bit: the two blocks' 64 bytes), then `[row][block]` f16 scales and minimums
-    /// (Q6_K: `[row][block][half]` scales).
+    /// For the AVX2 kernels of 8-bit weights: groups of [`COL_TILE`] rows (zero-padded), and
+    /// within a group each pair of blocks of all its rows together (a record), so the kernel
+    /// reads one sequential stream. Per record: the rows' quants (the two blocks' 64 bytes per
+    /// row), then `[row][block]` f16 scales (Q6_K: `[row][block][half]`). The metadata
+    /// layout, with `[row][block]` minimums for 4-bit weights, is also [`Layout::Lanes`]'s.
     Groups,
     /// For the AVX-512 kernels, and the AVX2 kernel of 4-bit weights (which reads each
     /// 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a

@@ -140,22 +140,18 @@ impl QuantMatrix {
         }
     }
 
-    /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit;
-    /// in 4-bit groups the 32 bytes shared with its pair, low or high nibbles). Not for
-    /// [`Layout::Lanes`], whose blocks are spread (see [`QuantMatrix::lane_byte`]).
+    /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit).
+    /// Not for [`Layout::Lanes`], whose blocks are spread (see [`QuantMatrix::lane_byte`]).
     fn quant_offset(&self, j: usize, b: usize) -> usize {
         let nb = self.k / BLOCK;
         match (self.layout, self.family) {
             (Layout::Rows, Family::Nibbles) => (j * nb + b) * 16,
             (Layout::Rows, _) => (j * nb + b) * BLOCK,
             (Layout::Lanes, _) => unreachable!("lane-layout blocks are not contiguous"),
-            (Layout::Groups, family) => {
+            (Layout::Groups, Family::Nibbles) => unreachable!("4-bit weights are never grouped"),
+            (Layout::Groups, _) => {
                 let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
-                let row = record * COL_TILE + j % COL_TILE;
-                match family {
-                    Family::Nibbles => row * BLOCK,
-                    _ => row * 2 * BLOCK + (b % 2) * BLOCK,
-                }
+                (record * COL_TILE + j % COL_TILE) * 2 * BLOCK + (b % 2) * BLOCK
             }
         }
     }
@@ -199,12 +195,6 @@ impl QuantMatrix {
                     values[i + 16] = i16::from(q[i] >> 4);
                 }
             }
-            (Layout::Groups, Family::Nibbles) => {
-                let at = self.quant_offset(j, b);
-                for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
-                    *v = i16::from((byte >> (4 * (b % 2))) & 0x0F);
-                }
-            }
             _ => {
                 let at = self.quant_offset(j, b);
                 for (v, &byte) in values.iter_mut().zip(&self.quants[at..at + BLOCK]) {
@@ -224,10 +214,14 @@ impl QuantMatrix {
         (scales, min, values)
     }
 
-    /// The same matrix in [`Layout::Groups`] or [`Layout::Lanes`] (rows padded to a multiple
-    /// of [`COL_TILE`] and blocks to an even count, with zero values).
+    /// The same matrix in [`Layout::Groups`] (8-bit weights only) or [`Layout::Lanes`] (rows
+    /// padded to a multiple of [`COL_TILE`] and blocks to an even count, with zero values).
     pub(super) fn into_layout(self, layout: Layout) -> Self {
         assert!(layout != Layout::Rows && self.layout == Layout::Rows);
+        assert!(
+            layout != Layout::Groups || self.family != Family::Nibbles,
+            "4-bit weights take the lane layout"
+        );
         let nb = self.k / BLOCK;
         let (groups, pairs) = (self.n.div_ceil(COL_TILE), nb.div_ceil(2));
         let records = groups * pairs;
@@ -281,10 +275,7 @@ impl QuantMatrix {
                 }
                 let at = grouped.quant_offset(j, b);
                 for (byte, &v) in grouped.quants[at..at + BLOCK].iter_mut().zip(&values) {
-                    match self.family {
-                        Family::Nibbles => *byte |= (v as u8) << (4 * (b % 2)),
-                        _ => *byte = v as i8 as u8,
-                    }
+                    *byte = v as i8 as u8;
                 }
             }
         }
