@@ -50,7 +50,7 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
     if sequences.iter().any(|s| s.key_layout == KeyLayout::Tiles) {
         assert!(
             sequences.iter().all(|s| s.key_layout == KeyLayout::Tiles)
-                && crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni,
+                && crate::kernels::Kernel::detect().has_avx512(),
             "tiled keys need the AVX-512 attention, for every sequence of the pass"
         );
         #[cfg(target_arch = "x86_64")]
@@ -107,10 +107,10 @@ impl Head<'_> {
         #[cfg(target_arch = "x86_64")]
         match (crate::kernels::Kernel::detect(), q.len()) {
             // SAFETY: the CPU has the kernel's features (detected); bounds are checked above.
-            (crate::kernels::Kernel::Avx512Vnni, 64) => {
+            (kernel, 64) if kernel.has_avx512() => {
                 return unsafe { self.attend_avx512::<4>(q, scores, dst) };
             }
-            (crate::kernels::Kernel::Avx512Vnni, 128) => {
+            (kernel, 128) if kernel.has_avx512() => {
                 return unsafe { self.attend_avx512::<8>(q, scores, dst) };
             }
             (crate::kernels::Kernel::Avx2, 64) => return unsafe { self.attend_avx2::<8>(q, scores, dst) },

@@ -9,10 +9,11 @@
 //!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
-//! x86-64 and uses the best it finds): AVX-512 VNNI (8 blocks per instruction, see
-//! [`Layout::Lanes`]) and AVX2 + FMA (see [`Layout::Groups`]), both over weights regrouped as
-//! one prefetched stream per 4 weight rows, and a portable version over plain rows for
-//! everything else. Multi-row: each weight block is loaded and unpacked once for a tile of
+//! x86-64 and uses the best it finds): AMX-INT8 (a block of 16 weight rows × up to 16
+//! activation rows per instruction, see [`Layout::Tiles`]), AVX-512 VNNI (8 blocks per
+//! instruction, see [`Layout::Lanes`]) and AVX2 + FMA (see [`Layout::Groups`]), the last two
+//! over weights regrouped as one prefetched stream per 4 weight rows, and a portable version
+//! over plain rows for everything else. Multi-row: each weight block is loaded and unpacked once for a tile of
 //! up to eight activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1
 //! passes. Every output element is computed by the same code, over the same blocks, in the
 //! same order whatever the number of rows, so results are batch-invariant.
@@ -20,6 +21,8 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2_groups;
 #[cfg(target_arch = "x86_64")]
@@ -38,6 +41,11 @@ const COL_TILE: usize = 4;
 const BLOCK: usize = 32;
 /// Bytes of one row's interleaved activations per block pair (see [`Layout::Lanes`]).
 const LANE_PAIR_BYTES: usize = 2 * BLOCK;
+/// Weight rows and activation rows of an AMX tile (see [`Layout::Tiles`]).
+const TILE_COLS: usize = 16;
+const TILE_ROWS: usize = 16;
+/// Outputs of the largest tile a kernel call computes (AMX's).
+const MAX_TILE: usize = TILE_COLS * TILE_ROWS;
 
 /// How a repacked matrix's blocks are stored, and so which kernel multiplies them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +77,13 @@ enum Layout {
     /// 4-bit: registers 0 and 1 share 64 bytes (low and high nibbles), as do 2 and 3; 8-bit:
     /// four 64-byte registers of values offset by 128 (unsigned). Metadata as in `Groups`.
     Lanes,
+    /// For the AMX kernels (4-bit and Q8_0 weights): groups of 16 rows (zero-padded), and
+    /// within a group one record per block, each an AMX weight tile: tile row r (values
+    /// `4r..4r + 4`) holds those 4 values of every weight row n at bytes `4n..4n + 4`. 8-bit
+    /// records are those 8 × 64 bytes (signed); 4-bit records 4 × 64 bytes whose low nibbles
+    /// are tile rows 0..4 and high nibbles rows 4..8. Per record, the 16 rows' f16 scales
+    /// (and minimums).
+    Tiles,
 }
 
 /// A weight matrix `[n, k]` repacked for the kernels: per-block scales (and minimums) as f16
@@ -132,7 +147,10 @@ impl QuantMatrix {
         let data = tensor.data().ok()?;
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
         Some(match kernel {
-            Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
+            // Q6_K's scale per 16 values does not fit a 32-value tile: it keeps the AVX-512
+            // kernels, which every AMX CPU has.
+            Kernel::Amx if matrix.family != Family::Bytes16 => matrix.into_layout(Layout::Tiles),
+            Kernel::Amx | Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
             // AVX2 has no `vpdpbusd`: the lane layout pays for 4-bit weights (whose `maddubs`
             // products can be summed in i16), not for 8-bit ones.
             Kernel::Avx2 if matrix.family == Family::Nibbles => matrix.into_layout(Layout::Lanes),
@@ -218,7 +236,6 @@ impl QuantMatrix {
         for (w, out) in matrices.iter().zip(outs.iter()) {
             assert_eq!(out.len(), m * w.n, "output must be [m, n]");
         }
-        let tiles = m.div_ceil(ROW_TILE);
         let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
         // Work items: (matrix, column group, row tile), matrices one after another and row
         // tiles innermost, so a thread reuses a column group's weights while they are hot.
@@ -226,22 +243,25 @@ impl QuantMatrix {
         let mut total = 0;
         for w in matrices {
             starts.push(total);
-            total += tiles * w.n.div_ceil(COL_TILE);
+            let (col_tile, row_tile) = w.tile_shape();
+            total += m.div_ceil(row_tile) * w.n.div_ceil(col_tile);
         }
         starts.push(total);
         let kernel = Kernel::detect();
         candle_core::utils::barrier_pool().execute_chunked(total, |items| {
-            let mut tile_out = [0f32; COL_TILE * ROW_TILE];
+            let mut tile_out = [0f32; MAX_TILE];
             for item in items {
                 let which = starts.partition_point(|&s| s <= item) - 1;
                 let (w, local) = (matrices[which], item - starts[which]);
+                let (col_tile, row_tile) = w.tile_shape();
+                let tiles = m.div_ceil(row_tile);
                 let (group, tile) = (local / tiles, local % tiles);
-                let (j0, r0) = (group * COL_TILE, tile * ROW_TILE);
-                let (cols, count) = (COL_TILE.min(w.n - j0), ROW_TILE.min(m - r0));
+                let (j0, r0) = (group * col_tile, tile * row_tile);
+                let (cols, count) = (col_tile.min(w.n - j0), row_tile.min(m - r0));
                 w.tile(kernel, j0, cols, rows, r0, count, &mut tile_out);
                 for c in 0..cols {
                     for t in 0..count {
-                        let value = tile_out[c * ROW_TILE + t];
+                        let value = tile_out[w.tile_index(c, t)];
                         // SAFETY: each (matrix, row, column) is written by exactly one work
                         // item, and lies inside that matrix's output (sizes checked above).
                         unsafe {
@@ -254,8 +274,25 @@ impl QuantMatrix {
         });
     }
 
+    /// Weight rows and activation rows of the tile one kernel call computes.
+    fn tile_shape(&self) -> (usize, usize) {
+        match self.layout {
+            Layout::Tiles => (TILE_COLS, TILE_ROWS),
+            _ => (COL_TILE, ROW_TILE),
+        }
+    }
+
+    /// Where a kernel call leaves the product of weight row `c` and activation row `t` of
+    /// its tile: the AMX kernels write activation rows, the others weight rows.
+    fn tile_index(&self, c: usize, t: usize) -> usize {
+        match self.layout {
+            Layout::Tiles => t * TILE_COLS + c,
+            _ => c * ROW_TILE + t,
+        }
+    }
+
     /// Dot products of weight rows `j0..j0 + cols` with activation rows `r0..r0 + count`
-    /// into `out[c * ROW_TILE + t]`.
+    /// into `out[self.tile_index(c, t)]`.
     #[allow(clippy::too_many_arguments)]
     fn tile(
         &self,
@@ -267,6 +304,33 @@ impl QuantMatrix {
         count: usize,
         out: &mut [f32],
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if self.layout == Layout::Tiles {
+            assert!(
+                kernel == Kernel::Amx && j0.is_multiple_of(TILE_COLS),
+                "weights in the tile layout need the AMX kernels"
+            );
+            let group = j0 / TILE_COLS;
+            macro_rules! rows {
+                ($nibbles:literal, $($r:literal)*) => {
+                    // SAFETY: tile-layout weights exist only when the CPU has AMX-INT8 and
+                    // AVX-512 and the process AMX permission (see `Kernel::available`); the
+                    // kernel checks every bound it uses.
+                    unsafe {
+                        match count {
+                            $($r => amx::tiles::<$r, $nibbles>(self, group, x, r0, out),)*
+                            _ => unreachable!("1 to 16 rows per tile"),
+                        }
+                    }
+                };
+            }
+            match self.family {
+                Family::Nibbles => rows!(true, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+                Family::Bytes => rows!(false, 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+                Family::Bytes16 => unreachable!("Q6_K keeps the lane layout"),
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if self.layout == Layout::Groups {
             assert!(
@@ -329,7 +393,7 @@ impl QuantMatrix {
         #[cfg(target_arch = "x86_64")]
         if self.layout == Layout::Lanes {
             assert!(
-                kernel == Kernel::Avx512Vnni && j0.is_multiple_of(COL_TILE),
+                kernel.has_avx512() && j0.is_multiple_of(COL_TILE),
                 "weights in the lane layout need the AVX-512 kernels"
             );
             let group = j0 / COL_TILE;
@@ -416,6 +480,8 @@ impl SendPtr {
 /// Which implementation runs, chosen once from the CPU's features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
+    /// AMX-TILE and AMX-INT8 tile multiplies, with everything of [`Kernel::Avx512Vnni`].
+    Amx,
     /// 512-bit registers and `vpdpbusd` (AVX-512 F, BW, VL and VNNI).
     Avx512Vnni,
     /// 256-bit AVX2 with FMA and F16C.
@@ -424,8 +490,8 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The best implementation this CPU runs (`SPECD_KERNEL=avx2|portable` caps it, to
-    /// compare implementations on one machine).
+    /// The best implementation this CPU runs (`SPECD_KERNEL=avx512|avx2|portable` caps it,
+    /// to compare implementations on one machine).
     pub fn detect() -> Self {
         static KERNEL: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| {
@@ -435,7 +501,8 @@ impl Kernel {
                 .iter()
                 .copied()
                 .find(|k| match cap.as_str() {
-                    "avx2" => *k != Kernel::Avx512Vnni,
+                    "avx512" => *k != Kernel::Amx,
+                    "avx2" => !k.has_avx512(),
                     "portable" => *k == Kernel::Portable,
                     _ => true,
                 })
@@ -450,6 +517,9 @@ impl Kernel {
         {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                if has!("f16c") && has!("fma") && amx::supported() {
+                    kernels.push(Kernel::Amx);
+                }
                 kernels.push(Kernel::Avx512Vnni);
             }
             if has!("avx2") && has!("fma") && has!("f16c") {
@@ -460,8 +530,14 @@ impl Kernel {
         kernels
     }
 
+    /// Whether this implementation has AVX-512 (VNNI) underneath, for the attention code.
+    pub fn has_avx512(self) -> bool {
+        matches!(self, Kernel::Amx | Kernel::Avx512Vnni)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
+            Kernel::Amx => "amx-int8",
             Kernel::Avx512Vnni => "avx512-vnni",
             Kernel::Avx2 => "avx2",
             Kernel::Portable => "portable",
@@ -498,7 +574,7 @@ impl QuantizedRows {
         self.lanes_ready = false;
         #[cfg(target_arch = "x86_64")]
         match kernel {
-            Kernel::Avx512Vnni => {
+            Kernel::Amx | Kernel::Avx512Vnni => {
                 let pairs = m * blocks.div_ceil(2);
                 self.lane_scales.clear();
                 self.lane_scales.resize(4 * pairs, 0.0);

@@ -34,7 +34,7 @@ pub enum KeyLayout {
 impl KeyLayout {
     /// The layout the detected attention kernel reads best.
     pub fn for_this_cpu(head_dim: usize) -> Self {
-        let avx512 = crate::kernels::Kernel::detect() == crate::kernels::Kernel::Avx512Vnni;
+        let avx512 = crate::kernels::Kernel::detect().has_avx512();
         if avx512 && matches!(head_dim, 64 | 128) {
             KeyLayout::Tiles
         } else {

@@ -4,7 +4,7 @@
 
 use candle_core::quantized::GgmlDType;
 
-use super::{BLOCK, COL_TILE, Family, Layout, QuantMatrix, read_f16, to_f16, to_f32};
+use super::{BLOCK, COL_TILE, Family, Layout, QuantMatrix, TILE_COLS, read_f16, to_f16, to_f32};
 
 /// Q4_K super-block: 256 values in 8 sub-blocks of 32.
 const SUPER: usize = 256;
@@ -137,6 +137,7 @@ impl QuantMatrix {
                 let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
                 record * 2 * halves * COL_TILE + (j % COL_TILE) * 2 * halves + (b % 2) * halves + h
             }
+            Layout::Tiles => ((j / TILE_COLS) * nb + b) * TILE_COLS + j % TILE_COLS,
         }
     }
 
@@ -147,7 +148,7 @@ impl QuantMatrix {
         match (self.layout, self.family) {
             (Layout::Rows, Family::Nibbles) => (j * nb + b) * 16,
             (Layout::Rows, _) => (j * nb + b) * BLOCK,
-            (Layout::Lanes, _) => unreachable!("lane-layout blocks are not contiguous"),
+            (Layout::Lanes | Layout::Tiles, _) => unreachable!("lane- and tile-layout blocks are spread"),
             (Layout::Groups, Family::Nibbles) => unreachable!("4-bit weights are never grouped"),
             (Layout::Groups, _) => {
                 let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
@@ -172,11 +173,35 @@ impl QuantMatrix {
         }
     }
 
+    /// Where value `v` of block `b` of row `j` lies in [`Layout::Tiles`]: byte offset, and
+    /// the shift of its nibble (4-bit).
+    fn tile_byte(&self, j: usize, b: usize, v: usize) -> (usize, u32) {
+        let record = (j / TILE_COLS) * (self.k / BLOCK) + b;
+        let (tile_row, within) = (v / 4, 4 * (j % TILE_COLS) + v % 4);
+        match self.family {
+            Family::Nibbles => (
+                record * TILE_COLS * BLOCK / 2 + 64 * (tile_row % 4) + within,
+                4 * (tile_row as u32 / 4),
+            ),
+            _ => (record * TILE_COLS * BLOCK + 64 * tile_row + within, 0),
+        }
+    }
+
     /// Block `b` of row `j`: the f16 scales of its two halves of 16 values (equal unless
     /// Q6_K), its f16 minimum (zero for 8-bit) and its 32 values.
     pub(super) fn block(&self, j: usize, b: usize) -> ([u16; 2], u16, [i16; BLOCK]) {
         let mut values = [0i16; BLOCK];
         match (self.layout, self.family) {
+            (Layout::Tiles, family) => {
+                for (v, value) in values.iter_mut().enumerate() {
+                    let (at, shift) = self.tile_byte(j, b, v);
+                    let byte = self.quants[at];
+                    *value = match family {
+                        Family::Nibbles => i16::from((byte >> shift) & 0x0F),
+                        _ => i16::from(byte as i8),
+                    };
+                }
+            }
             (Layout::Lanes, family) => {
                 for (v, value) in values.iter_mut().enumerate() {
                     let (at, shift) = self.lane_byte(j, b, v);
@@ -215,20 +240,31 @@ impl QuantMatrix {
     }
 
     /// The same matrix in [`Layout::Groups`] (8-bit weights only) or [`Layout::Lanes`] (rows
-    /// padded to a multiple of [`COL_TILE`] and blocks to an even count, with zero values).
+    /// padded to a multiple of [`COL_TILE`] and blocks to an even count, with zero values),
+    /// or [`Layout::Tiles`] (not Q6_K; rows padded to a multiple of 16).
     pub(super) fn into_layout(self, layout: Layout) -> Self {
         assert!(layout != Layout::Rows && self.layout == Layout::Rows);
         assert!(
             layout != Layout::Groups || self.family != Family::Nibbles,
             "4-bit weights take the lane layout"
         );
+        assert!(
+            layout != Layout::Tiles || self.family != Family::Bytes16,
+            "Q6_K has no tile layout"
+        );
         let nb = self.k / BLOCK;
-        let (groups, pairs) = (self.n.div_ceil(COL_TILE), nb.div_ceil(2));
-        let records = groups * pairs;
-        let quant_bytes = match self.family {
-            Family::Nibbles => BLOCK,
-            _ => 2 * BLOCK,
+        // Lane and group records hold `COL_TILE` rows × 2 blocks, tile records `TILE_COLS`
+        // rows × 1 block; `per_row` is what one row of a record takes (quants in bytes, f16
+        // scales or minimums).
+        let (records, rows_per_record, quants_per_row, scales_per_row) = match layout {
+            Layout::Tiles => (self.n.div_ceil(TILE_COLS) * nb, TILE_COLS, BLOCK, 1),
+            _ => (self.n.div_ceil(COL_TILE) * nb.div_ceil(2), COL_TILE, 2 * BLOCK, 2),
         };
+        let quants_per_row = match self.family {
+            Family::Nibbles => quants_per_row / 2,
+            _ => quants_per_row,
+        };
+        let record_rows = records * rows_per_record;
         // Lane-layout 8-bit values are offset by 128: padding holds value 0 too.
         let padding = if layout == Layout::Lanes && self.family != Family::Nibbles {
             128
@@ -237,12 +273,12 @@ impl QuantMatrix {
         };
         let mut grouped = Self {
             layout,
-            quants: vec![padding; records * COL_TILE * quant_bytes],
-            scales: vec![0u16; records * 2 * self.halves() * COL_TILE],
+            quants: vec![padding; record_rows * quants_per_row],
+            scales: vec![0u16; record_rows * scales_per_row * self.halves()],
             mins: vec![
                 0u16;
                 if self.family == Family::Nibbles {
-                    records * 2 * COL_TILE
+                    record_rows * scales_per_row
                 } else {
                     0
                 }
@@ -262,6 +298,16 @@ impl QuantMatrix {
                 if self.family == Family::Nibbles {
                     let at = grouped.meta_index(j, b, 0);
                     grouped.mins[at] = min;
+                }
+                if layout == Layout::Tiles {
+                    for (i, &v) in values.iter().enumerate() {
+                        let (at, shift) = grouped.tile_byte(j, b, i);
+                        match self.family {
+                            Family::Nibbles => grouped.quants[at] |= (v as u8) << shift,
+                            _ => grouped.quants[at] = v as i8 as u8,
+                        }
+                    }
+                    continue;
                 }
                 if layout == Layout::Lanes {
                     for (i, &v) in values.iter().enumerate() {

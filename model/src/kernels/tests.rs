@@ -91,16 +91,17 @@ fn shapes(format: GgmlDType) -> impl Iterator<Item = (usize, (usize, usize, usiz
 fn matmul_with(kernel: Kernel, packed: &QuantMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let rows = packed.quantize(x, m);
     let n = packed.rows();
+    let (col_tile, row_tile) = packed.tile_shape();
     let mut out = vec![0f32; m * n];
-    for r0 in (0..m).step_by(ROW_TILE) {
-        let count = ROW_TILE.min(m - r0);
-        for j0 in (0..n).step_by(COL_TILE) {
-            let cols = COL_TILE.min(n - j0);
-            let mut tile = [0f32; COL_TILE * ROW_TILE];
+    for r0 in (0..m).step_by(row_tile) {
+        let count = row_tile.min(m - r0);
+        for j0 in (0..n).step_by(col_tile) {
+            let cols = col_tile.min(n - j0);
+            let mut tile = [0f32; MAX_TILE];
             packed.tile(kernel, j0, cols, &rows, r0, count, &mut tile);
             for c in 0..cols {
                 for t in 0..count {
-                    out[(r0 + t) * n + j0 + c] = tile[c * ROW_TILE + t];
+                    out[(r0 + t) * n + j0 + c] = tile[packed.tile_index(c, t)];
                 }
             }
         }
@@ -205,7 +206,8 @@ fn the_portable_quantiser_rounds_half_to_even_against_max_over_127() {
 fn every_kernel_is_batch_invariant() {
     for kernel in Kernel::available() {
         for format in FORMATS {
-            let (m, n, k) = (7, 9, 512);
+            // More rows than one AMX tile, and an odd block count where the format allows.
+            let (m, n, k) = (19, 9, if is_k_quant(format) { 512 } else { 544 });
             let (_, packed) = matrix_for(format, n, k, 41, kernel);
             let x = random(m * k, 42);
             let together = matmul_with(kernel, &packed, &x, m);
