@@ -33,6 +33,8 @@ mod avx512;
 mod groups;
 mod portable;
 mod repack;
+#[cfg(target_arch = "x86_64")]
+mod tiles;
 
 /// Rows of activations processed against each unpacked weight block.
 const ROW_TILE: usize = 8;
@@ -69,15 +71,16 @@ enum Layout {
     /// row), then `[row][block]` f16 scales (Q6_K: `[row][block][half]`). The metadata
     /// layout, with `[row][block]` minimums for 4-bit weights, is also [`Layout::Lanes`]'s.
     Groups,
-    /// For the AVX-512 kernels, and the AVX2 kernel of 4-bit weights (which reads each
-    /// 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a
+    /// For the AVX-512 kernels of 8-bit weights, and the AVX2 kernel of 4-bit weights (which
+    /// reads each 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a
     /// record ("slots" s = 2 · row + block) interleaved across four 64-byte registers:
     /// register j holds, for every slot, values `4j..4j + 4` and `16 + 4j..16 + 4j + 4` at
     /// bytes `8s..8s + 8`. One `vpdpbusd` lane then always sums values of one half block.
     /// 4-bit: registers 0 and 1 share 64 bytes (low and high nibbles), as do 2 and 3; 8-bit:
     /// four 64-byte registers of values offset by 128 (unsigned). Metadata as in `Groups`.
     Lanes,
-    /// For the AMX kernels (4-bit and Q8_0 weights): groups of 16 rows (zero-padded), and
+    /// For the AMX kernels (4-bit and Q8_0 weights) and the AVX-512 VNNI kernels of 4-bit
+    /// weights: groups of 16 rows (zero-padded), and
     /// within a group one record per block, each an AMX weight tile: tile row r (values
     /// `4r..4r + 4`) holds those 4 values of every weight row n at bytes `4n..4n + 4`. 8-bit
     /// records are those 8 × 64 bytes (signed); 4-bit records 4 × 64 bytes whose low nibbles
@@ -147,9 +150,11 @@ impl QuantMatrix {
         let data = tensor.data().ok()?;
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
         Some(match kernel {
-            // Q6_K's scale per 16 values does not fit a 32-value tile: it keeps the AVX-512
-            // kernels, which every AMX CPU has.
+            // Q6_K's scale per 16 values does not fit a 32-value tile: it keeps the lane
+            // kernels, as do 8-bit weights without AMX (measured: faster than tiles from
+            // about 5 rows there; 4-bit weights are 1.4–1.6× faster in tiles at 1–8 rows).
             Kernel::Amx if matrix.family != Family::Bytes16 => matrix.into_layout(Layout::Tiles),
+            Kernel::Avx512Vnni if matrix.family == Family::Nibbles => matrix.into_layout(Layout::Tiles),
             Kernel::Amx | Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
             // AVX2 has no `vpdpbusd`: the lane layout pays for 4-bit weights (whose `maddubs`
             // products can be summed in i16), not for 8-bit ones.
@@ -307,18 +312,24 @@ impl QuantMatrix {
         #[cfg(target_arch = "x86_64")]
         if self.layout == Layout::Tiles {
             assert!(
-                kernel == Kernel::Amx && j0.is_multiple_of(TILE_COLS),
-                "weights in the tile layout need the AMX kernels"
+                kernel.has_avx512() && j0.is_multiple_of(TILE_COLS),
+                "weights in the tile layout need the AVX-512 (or AMX) kernels"
             );
             let group = j0 / TILE_COLS;
+            let nibbles = self.family == Family::Nibbles;
+            // Both give the same results (see `tiles`); tile multiplies pay only from a few
+            // rows (see `amx`).
+            let amx = kernel == Kernel::Amx && count >= if nibbles { 14 } else { 2 };
             macro_rules! rows {
                 ($nibbles:literal, $($r:literal)*) => {
-                    // SAFETY: tile-layout weights exist only when the CPU has AMX-INT8 and
-                    // AVX-512 and the process AMX permission (see `Kernel::available`); the
-                    // kernel checks every bound it uses.
+                    // SAFETY: tile-layout weights exist only when the CPU has AVX-512 VNNI,
+                    // and the AMX kernel runs only where it also has AMX-INT8 and the
+                    // process AMX permission (see `from_qtensor_for`, `Kernel::available`);
+                    // the kernels check every bound they use.
                     unsafe {
-                        match count {
-                            $($r => amx::tiles::<$r, $nibbles>(self, group, x, r0, out),)*
+                        match (count, amx) {
+                            $(($r, true) => amx::tiles::<$r, $nibbles>(self, group, x, r0, out),)*
+                            $(($r, false) => tiles::q_tiles::<$r, $nibbles>(self, group, x, r0, out),)*
                             _ => unreachable!("1 to 16 rows per tile"),
                         }
                     }
@@ -416,7 +427,7 @@ impl QuantMatrix {
                 };
             }
             match self.family {
-                Family::Nibbles => rows!(q4_lanes),
+                Family::Nibbles => unreachable!("4-bit weights take the tile layout with AVX-512"),
                 Family::Bytes => rows!(q8_lanes, 1),
                 Family::Bytes16 => rows!(q8_lanes, 2),
             }

@@ -1,14 +1,11 @@
 //! Intel AMX (advanced matrix extensions) kernels over weights in the tile layout (see
 //! `Layout::Tiles`). One `tdpbsud`/`tdpbssd` multiplies up to 16 activation rows by 16
 //! weight rows over a whole 32-value block (8,192 multiply-adds for a full tile) into a tile
-//! of int32 sums; AVX-512 then converts each activation row's 16 sums and scales them into
-//! its accumulator. Compared with the AVX-512 VNNI kernels, the integer work per activation
-//! row nearly vanishes and the float scaling runs once per block and 16 weight rows, so an
-//! extra row of a verify pass costs about a third of what it does there.
-//!
-//! Every number of rows, one to sixteen, goes through this same code, and each output
-//! element's arithmetic (exact integer block sums, then one fused multiply-add chain over the
-//! blocks in order) does not depend on the rows beside it: results are batch-invariant.
+//! of int32 sums, which AVX-512 then scales exactly as the VNNI kernels of `tiles.rs` do, so
+//! the two give identical results and the dispatcher picks by the number of rows: a tile
+//! multiply's latency and the sums' trip through memory pay only when enough rows share
+//! them (measured, 2 threads, Sapphire Rapids: 8-bit weights from 2 rows, 0.5–0.75× the
+//! VNNI time; 4-bit weights, whose sums' scaling dominates either way, only from about 14).
 //!
 //! Rust has no stable AMX intrinsics, so the tile instructions are inline assembly. Linux
 //! hands out the tile registers' state only on request (`arch_prctl`), once per process.
@@ -19,11 +16,8 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::Cell;
 
+use super::tiles::{BYTE_RECORD, NIBBLE_RECORD, check, record_meta, scale_sums};
 use super::{BLOCK, QuantMatrix, QuantizedRows, TILE_COLS, TILE_ROWS};
-
-/// Bytes of one block of 16 weight rows: 4-bit (nibbles) and 8-bit.
-const NIBBLE_RECORD: usize = TILE_COLS * BLOCK / 2;
-const BYTE_RECORD: usize = TILE_COLS * BLOCK;
 
 /// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use them.
 pub(super) fn supported() -> bool {
@@ -88,64 +82,75 @@ unsafe fn configure(rows: usize) {
     CONFIGURED_ROWS.set(rows);
 }
 
-/// Where the scratch tiles live: the unpacked weights of two blocks, and two blocks' sums.
+/// How many blocks ahead 4-bit weights are unpacked: a tile load of bytes just stored waits
+/// for the stores to reach the cache, so each block is unpacked a few steps before its
+/// multiply (measured: loading straight after unpacking made a block cost ~3× as much).
+const UNPACK_LEAD: usize = 2;
+const UNPACKED_SLOTS: usize = 4;
+
+/// Where the scratch tiles live: a ring of unpacked 4-bit weight blocks, and two blocks' sums.
 #[repr(C, align(64))]
 struct Scratch {
-    weights: [u8; 2 * BYTE_RECORD],
+    weights: [u8; UNPACKED_SLOTS * BYTE_RECORD],
     sums: [i32; 2 * TILE_ROWS * TILE_COLS],
 }
 
-/// The integer block sums of activation rows `r0..r0 + rows` (tile of `rows` × 32 bytes at
-/// `x.quants`, stride k) with two blocks of 16 weight rows, `b` and `b + 1`: weights at
-/// `weights[0]` and `weights[1]` (8 rows of 64 bytes each), activations at `activations[0]`
-/// and `[1]`; sums to `sums` (`[block][row][column]`). Weights are unsigned 4-bit values
-/// with `UNSIGNED`, else signed bytes.
+/// One step of the software pipeline, on tile set `$set` (activations `tmm0 + set`, weights
+/// `tmm2 + set`, sums `tmm4 + set`): loads a block's activations (`$rows` × 32 bytes, stride
+/// `$stride`) and weights (8 × 64 bytes), starts their multiply into fresh sums, and stores
+/// the other set's sums (the previous block's, whose multiply is done) to `$previous`, so
+/// each multiply overlaps the scaling of the block before it.
+macro_rules! step {
+    ($op:literal, $a:literal, $w:literal, $c:literal, $other:literal, $pointers:expr) => {
+        asm!(
+            concat!("tileloadd ", $a, ", [{a} + {s}*1]"),
+            concat!("tileloadd ", $w, ", [{w} + {ws}*1]"),
+            concat!("tilezero ", $c),
+            concat!($op, " ", $c, ", ", $a, ", ", $w),
+            concat!("tilestored [{p} + {ws}*1], ", $other),
+            a = in(reg) $pointers.0, s = in(reg) $pointers.1, w = in(reg) $pointers.2,
+            ws = in(reg) 64usize, p = in(reg) $pointers.3,
+            options(nostack),
+        )
+    };
+}
+
+/// A pipeline step on tile set `set`; unsigned 4-bit weights with `UNSIGNED`, else signed.
 ///
 /// # Safety
-/// The tiles must be configured for `rows`; every pointer must cover its tile.
+/// The tiles must be configured; each pointer must cover its tile (`previous`: 16 × 64 bytes).
 #[inline(always)]
-unsafe fn two_blocks<const UNSIGNED: bool>(
-    activations: [*const i8; 2],
+unsafe fn pipeline_step<const UNSIGNED: bool>(
+    set: usize,
+    activations: *const i8,
     stride: usize,
-    weights: [*const u8; 2],
-    sums: *mut i32,
+    weights: *const u8,
+    previous: *mut i32,
 ) {
     // SAFETY: as the caller guarantees; tiles are this thread's own state.
     unsafe {
-        if !UNSIGNED {
-            asm!(
-                "tileloadd tmm0, [{a0} + {s}*1]",
-                "tileloadd tmm1, [{a1} + {s}*1]",
-                "tileloadd tmm2, [{w0} + {ws}*1]",
-                "tileloadd tmm3, [{w1} + {ws}*1]",
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tdpbssd tmm4, tmm0, tmm2",
-                "tdpbssd tmm5, tmm1, tmm3",
-                "tilestored [{c0} + {ws}*1], tmm4",
-                "tilestored [{c1} + {ws}*1], tmm5",
-                a0 = in(reg) activations[0], a1 = in(reg) activations[1], s = in(reg) stride,
-                w0 = in(reg) weights[0], w1 = in(reg) weights[1], ws = in(reg) 64usize,
-                c0 = in(reg) sums, c1 = in(reg) sums.add(TILE_ROWS * TILE_COLS),
-                options(nostack),
-            );
+        let pointers = (activations, stride, weights, previous);
+        match (UNSIGNED, set) {
+            (true, 0) => step!("tdpbsud", "tmm0", "tmm2", "tmm4", "tmm5", pointers),
+            (true, _) => step!("tdpbsud", "tmm1", "tmm3", "tmm5", "tmm4", pointers),
+            (false, 0) => step!("tdpbssd", "tmm0", "tmm2", "tmm4", "tmm5", pointers),
+            (false, _) => step!("tdpbssd", "tmm1", "tmm3", "tmm5", "tmm4", pointers),
+        }
+    }
+}
+
+/// Stores set `set`'s sums (the last block's) to `to` (16 × 64 bytes).
+///
+/// # Safety
+/// The tiles must be configured; `to` must hold a tile.
+#[inline(always)]
+unsafe fn store_sums(set: usize, to: *mut i32) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        if set == 0 {
+            asm!("tilestored [{p} + {ws}*1], tmm4", p = in(reg) to, ws = in(reg) 64usize, options(nostack));
         } else {
-            asm!(
-                "tileloadd tmm0, [{a0} + {s}*1]",
-                "tileloadd tmm1, [{a1} + {s}*1]",
-                "tileloadd tmm2, [{w0} + {ws}*1]",
-                "tileloadd tmm3, [{w1} + {ws}*1]",
-                "tilezero tmm4",
-                "tilezero tmm5",
-                "tdpbsud tmm4, tmm0, tmm2",
-                "tdpbsud tmm5, tmm1, tmm3",
-                "tilestored [{c0} + {ws}*1], tmm4",
-                "tilestored [{c1} + {ws}*1], tmm5",
-                a0 = in(reg) activations[0], a1 = in(reg) activations[1], s = in(reg) stride,
-                w0 = in(reg) weights[0], w1 = in(reg) weights[1], ws = in(reg) 64usize,
-                c0 = in(reg) sums, c1 = in(reg) sums.add(TILE_ROWS * TILE_COLS),
-                options(nostack),
-            );
+            asm!("tilestored [{p} + {ws}*1], tmm5", p = in(reg) to, ws = in(reg) 64usize, options(nostack));
         }
     }
 }
@@ -170,17 +175,6 @@ unsafe fn unpack_nibbles(from: *const u8, to: *mut u8) {
     }
 }
 
-/// Checks the bounds every unchecked access of [`tiles`] relies on.
-fn check(w: &QuantMatrix, group: usize, x: &QuantizedRows, r0: usize, rows: usize, nibbles: bool) {
-    let nb = x.blocks;
-    assert!((1..=TILE_ROWS).contains(&rows) && r0 + rows <= x.m && w.k == x.k);
-    assert!(x.quants.len() >= x.m * x.k && x.scales.len() >= x.m * nb && x.sums.len() >= x.m * nb);
-    let records = (group + 1) * nb;
-    let record_bytes = if nibbles { NIBBLE_RECORD } else { BYTE_RECORD };
-    assert!(w.quants.len() >= records * record_bytes && w.scales.len() >= records * TILE_COLS);
-    assert!(!nibbles || w.mins.len() >= records * TILE_COLS);
-}
-
 /// Weight rows `16 · group .. + 16` (4-bit with `NIBBLES`, else signed 8-bit) × activation
 /// rows `r0..r0 + R` into `out[t * 16 + c]`: per block, the tile of integer sums, then for
 /// each activation row `acc = fma(sum, d_w · d_x, acc)` and, for 4-bit weights, `acc =
@@ -203,71 +197,74 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
     unsafe { configure(R) };
     let (nb, k) = (x.blocks, x.k);
     let record_bytes = if NIBBLES { NIBBLE_RECORD } else { BYTE_RECORD };
-    let mut scratch = Scratch {
-        weights: [0; 2 * BYTE_RECORD],
-        sums: [0; 2 * TILE_ROWS * TILE_COLS],
-    };
+    // Every byte of the scratch is written (by unpacking or a tile store) before it is read.
+    let mut scratch = std::mem::MaybeUninit::<Scratch>::uninit();
     let mut acc = [_mm512_setzero_ps(); R];
     let rows_at = x.quants.as_ptr().wrapping_add(r0 * k);
-    let mut b = 0;
-    while b < nb {
-        // A lone last block pairs with itself; its second result is ignored.
-        let second = if b + 1 < nb { b + 1 } else { b };
-        let records = [group * nb + b, group * nb + second];
-        // SAFETY: records and activation blocks are in bounds (checked above); the scratch
-        // tiles are 64-byte aligned and as large as the tiles.
+    // Raw pointers into the scratch, written by tile stores and read by vector loads.
+    let scratch = scratch.as_mut_ptr();
+    // SAFETY: field addresses of a live local, not read.
+    let (weights_scratch, sums_scratch) = unsafe {
+        (
+            (&raw mut (*scratch).weights) as *mut u8,
+            (&raw mut (*scratch).sums) as *mut i32,
+        )
+    };
+    let sums_at = |set: usize| sums_scratch.wrapping_add(set * TILE_ROWS * TILE_COLS);
+    // Scales block `block`'s sums (in set `set` of the scratch) into the accumulators.
+    let mut scale_block = |block: usize, set: usize| {
+        // SAFETY: the record is in bounds (checked above).
+        let (dw, mins) = unsafe { record_meta::<NIBBLES>(w, group * nb + block) };
+        for t in 0..R {
+            let at = (r0 + t) * nb + block;
+            // SAFETY: row t's 16 sums lie in the scratch; `at` is in bounds (checked above).
+            let (sums, dx, sx) = unsafe {
+                (
+                    _mm512_load_si512(sums_at(set).add(t * TILE_COLS) as *const __m512i),
+                    *x.scales.get_unchecked(at),
+                    *x.sums.get_unchecked(at),
+                )
+            };
+            acc[t] = scale_sums::<NIBBLES>(acc[t], sums, dw, mins, dx, sx);
+        }
+    };
+    let unpack = |block: usize| {
+        let to = weights_scratch.wrapping_add(block % UNPACKED_SLOTS * BYTE_RECORD);
+        // SAFETY: the record is in bounds (checked above) and the slot in the scratch.
+        unsafe { unpack_nibbles(w.quants.as_ptr().add((group * nb + block) * NIBBLE_RECORD), to) };
+        to as *const u8
+    };
+    if NIBBLES {
+        (0..UNPACK_LEAD.min(nb)).for_each(|block| _ = unpack(block));
+    }
+    for b in 0..nb {
+        let (set, record) = (b % 2, group * nb + b);
+        // SAFETY: the record and the rows' block b are in bounds (checked above); the scratch
+        // tiles are 64-byte aligned and as large as the tiles. The first step stores stale
+        // sums to the scratch, which nothing reads.
         unsafe {
-            let ahead = w.quants.as_ptr().wrapping_add((records[0] + 8) * record_bytes);
-            for line in (0..2 * record_bytes).step_by(64) {
+            let ahead = w.quants.as_ptr().wrapping_add((record + 8) * record_bytes);
+            for line in (0..record_bytes).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
             }
             let weights = if NIBBLES {
-                for (slot, &record) in records.iter().enumerate() {
-                    let to = scratch.weights.as_mut_ptr().add(slot * BYTE_RECORD);
-                    unpack_nibbles(w.quants.as_ptr().add(record * NIBBLE_RECORD), to);
+                if b + UNPACK_LEAD < nb {
+                    unpack(b + UNPACK_LEAD);
                 }
-                [0, 1].map(|slot| scratch.weights.as_ptr().add(slot * BYTE_RECORD))
+                weights_scratch.add(b % UNPACKED_SLOTS * BYTE_RECORD) as *const u8
             } else {
-                records.map(|record| w.quants.as_ptr().add(record * BYTE_RECORD))
+                w.quants.as_ptr().add(record * BYTE_RECORD)
             };
-            let activations = [rows_at.add(b * BLOCK), rows_at.add(second * BLOCK)];
-            two_blocks::<NIBBLES>(activations, k, weights, scratch.sums.as_mut_ptr());
+            pipeline_step::<NIBBLES>(set, rows_at.add(b * BLOCK), k, weights, sums_at(1 - set));
         }
-        for (slot, block) in [b, second].into_iter().enumerate().take(second + 1 - b) {
-            let record = group * nb + block;
-            // SAFETY: the record's 16 scales (and minimums) are in bounds (checked above).
-            let (dw, mins) = unsafe {
-                let meta = |v: &[u16]| {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(
-                        v.as_ptr().add(record * TILE_COLS) as *const __m256i
-                    ))
-                };
-                (
-                    meta(&w.scales),
-                    if NIBBLES {
-                        meta(&w.mins)
-                    } else {
-                        _mm512_setzero_ps()
-                    },
-                )
-            };
-            for t in 0..R {
-                let at = (r0 + t) * nb + block;
-                // SAFETY: row t's 16 sums of this slot lie in the scratch.
-                let sums = unsafe {
-                    _mm512_load_si512(
-                        scratch.sums.as_ptr().add((slot * TILE_ROWS + t) * TILE_COLS) as *const __m512i
-                    )
-                };
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.scales[at]));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[t]);
-                if NIBBLES {
-                    acc[t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.sums[at]), acc[t]);
-                }
-            }
+        if b > 0 {
+            scale_block(b - 1, 1 - set);
         }
-        b += 2;
     }
+    let last = (nb - 1) % 2;
+    // SAFETY: the scratch holds a tile of sums per set.
+    unsafe { store_sums(last, sums_at(last)) };
+    scale_block(nb - 1, last);
     for t in 0..R {
         // SAFETY: `out` holds R rows of 16 (checked above).
         unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE_COLS), acc[t]) };

@@ -1,4 +1,5 @@
-//! AVX-512 VNNI kernels over weights in the lane layout (see `Layout::Lanes`). A record holds
+//! AVX-512 VNNI kernels over 8-bit weights in the lane layout (see `Layout::Lanes`; 4-bit
+//! weights take the tile layout and `tiles.rs` with AVX-512). A record holds
 //! two 32-value blocks of 4 weight rows (8 "slots"); each of its four 512-bit registers holds
 //! 8 values of every slot, so `vpdpbusd` works on all 8 blocks at once and four of them sum a
 //! whole record into one register per activation row: each 32-bit lane then holds the
@@ -13,7 +14,7 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, check_lanes, min_terms, prefetch};
+use super::groups::{check, check_lanes, prefetch};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// The group's f16 metadata for one record, `[row][block]`, as 8 floats.
@@ -79,67 +80,6 @@ fn lane_sums(acc: __m512) -> [f32; 16] {
     // SAFETY: sixteen floats.
     unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), quads) };
     lanes
-}
-
-/// 4-bit weights (`scale · q + min`) × int8 activations, for weight rows
-/// `4 · group .. 4 · group + 4` and activation rows `r0..r0 + R`; `out[c * ROW_TILE + t]`.
-///
-/// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the lane layout and of the
-/// 4-bit family.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q4_lanes<const R: usize>(
-    w: &QuantMatrix,
-    group: usize,
-    x: &QuantizedRows,
-    r0: usize,
-    out: &mut [f32],
-) {
-    check(w, group, x, r0, R, BLOCK);
-    check_lanes(x, r0, R);
-    assert!(w.mins.len() == w.scales.len());
-    let nb = x.blocks;
-    let pairs = nb.div_ceil(2);
-    // One accumulator per activation row (up to 8), four weight registers, the scales: well
-    // within AVX-512's 32 registers.
-    let mut acc = [_mm512_setzero_ps(); R];
-    let low_nibbles = _mm512_set1_epi8(0x0F);
-    for p in 0..pairs {
-        let record = group * pairs + p;
-        prefetch(w, record, BLOCK);
-        // SAFETY: the record is in bounds (checked above): 8 f16 scales and 128 bytes.
-        let (dw, weights) = unsafe {
-            let dw = spread_slots(meta8(w.scales.as_ptr().add(record * 2 * COL_TILE)));
-            let q = w.quants.as_ptr().add(record * 4 * BLOCK);
-            let first = _mm512_loadu_si512(q as *const __m512i);
-            let second = _mm512_loadu_si512(q.add(64) as *const __m512i);
-            let weights = [
-                _mm512_and_si512(first, low_nibbles),
-                _mm512_and_si512(_mm512_srli_epi16(first, 4), low_nibbles),
-                _mm512_and_si512(second, low_nibbles),
-                _mm512_and_si512(_mm512_srli_epi16(second, 4), low_nibbles),
-            ];
-            (dw, weights)
-        };
-        for t in 0..R {
-            // SAFETY: row r0 + t's pair p exists (checked above).
-            let (dot, dx) = unsafe {
-                (
-                    record_dot(&weights, x, r0 + t, p, _mm512_setzero_si512()),
-                    pair_scales(x, r0 + t, p),
-                )
-            };
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx), acc[t]);
-        }
-    }
-    // SAFETY: the records' minimums and the rows' sums are in bounds (checked above).
-    let mins = unsafe { min_terms::<R>(w, group, x, r0) };
-    for t in 0..R {
-        let sums = lane_sums(acc[t]);
-        for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = sums[4 * c] + mins[t][c];
-        }
-    }
 }
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0)

@@ -1,0 +1,159 @@
+//! Kernels over weights in the tile layout (see `Layout::Tiles`: records of one 32-value
+//! block of 16 weight rows, as an AMX weight tile) with AVX-512 VNNI, and what they share
+//! with the AMX kernels of `amx.rs`, which read the same layout. Weight tile row r (values
+//! `4r..4r + 4` of the 16 weight rows) is one 512-bit register, so one `vpdpbusd` against
+//! those 4 activation values broadcast adds them into each weight row's 32-bit lane; eight
+//! such steps give the block's exact integer sums for 16 weight rows, and the float scaling
+//! then runs once per block, activation row and 16 weight rows.
+//!
+//! Each output element's arithmetic (exact integer block sums, then one fused multiply-add
+//! chain over the blocks in order, [`scale_sums`]) does not depend on the rows beside it nor
+//! on which of the two instruction sets computed the sums: results are batch-invariant, and
+//! the AMX and VNNI kernels can share one batch.
+
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK, QuantMatrix, QuantizedRows, TILE_COLS, TILE_ROWS};
+
+/// Bytes of one record (a block of 16 weight rows): 4-bit (nibbles) and 8-bit.
+pub(super) const NIBBLE_RECORD: usize = TILE_COLS * BLOCK / 2;
+pub(super) const BYTE_RECORD: usize = TILE_COLS * BLOCK;
+
+/// One block's step of an activation row's accumulator (16 weight rows): `acc = fma(sums,
+/// d_w · d_x, acc)`, then for 4-bit weights `acc = fma(min_w, d_x · Σx, acc)`. Both kernels
+/// over the tile layout call this, so their results are identical.
+#[inline(always)]
+pub(super) fn scale_sums<const NIBBLES: bool>(
+    acc: __m512,
+    sums: __m512i,
+    dw: __m512,
+    mins: __m512,
+    dx: f32,
+    sx: f32,
+) -> __m512 {
+    // SAFETY: only reached from kernels compiled for AVX-512 F and FMA.
+    unsafe {
+        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc);
+        if NIBBLES {
+            _mm512_fmadd_ps(mins, _mm512_set1_ps(sx), acc)
+        } else {
+            acc
+        }
+    }
+}
+
+/// A record's 16 f16 scales and (4-bit) minimums as floats.
+///
+/// # Safety
+/// The record must be in bounds (see [`check`]).
+#[inline]
+#[target_feature(enable = "avx512f,f16c")]
+pub(super) unsafe fn record_meta<const NIBBLES: bool>(w: &QuantMatrix, record: usize) -> (__m512, __m512) {
+    let meta = |v: &[u16]| {
+        // SAFETY: 16 values at the record (in bounds, as the caller guarantees).
+        unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                v.as_ptr().add(record * TILE_COLS) as *const __m256i
+            ))
+        }
+    };
+    (
+        meta(&w.scales),
+        if NIBBLES {
+            meta(&w.mins)
+        } else {
+            _mm512_setzero_ps()
+        },
+    )
+}
+
+/// Checks the bounds every unchecked access of the tile-layout kernels relies on.
+pub(super) fn check(w: &QuantMatrix, group: usize, x: &QuantizedRows, r0: usize, rows: usize, nibbles: bool) {
+    let nb = x.blocks;
+    assert!((1..=TILE_ROWS).contains(&rows) && r0 + rows <= x.m && w.k == x.k);
+    assert!(x.quants.len() >= x.m * x.k && x.scales.len() >= x.m * nb && x.sums.len() >= x.m * nb);
+    let records = (group + 1) * nb;
+    let record_bytes = if nibbles { NIBBLE_RECORD } else { BYTE_RECORD };
+    assert!(w.quants.len() >= records * record_bytes && w.scales.len() >= records * TILE_COLS);
+    assert!(!nibbles || w.mins.len() >= records * TILE_COLS);
+}
+
+/// Weight rows `16 · group .. + 16` (4-bit with `NIBBLES`, else signed 8-bit) × activation
+/// rows `r0..r0 + R` into `out[t * 16 + c]`, with AVX-512 VNNI; bit for bit what
+/// `amx::tiles` computes. Signed 8-bit weights go in as |w| against the activations negated
+/// where w < 0 (activations lie in −127..=127).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the tile layout.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
+    w: &QuantMatrix,
+    group: usize,
+    x: &QuantizedRows,
+    r0: usize,
+    out: &mut [f32],
+) {
+    check(w, group, x, r0, R, NIBBLES);
+    assert!(out.len() >= R * TILE_COLS);
+    let (nb, k) = (x.blocks, x.k);
+    let record_bytes = if NIBBLES { NIBBLE_RECORD } else { BYTE_RECORD };
+    let mut acc = [_mm512_setzero_ps(); R];
+    let low = _mm512_set1_epi8(0x0F);
+    for b in 0..nb {
+        let record = group * nb + b;
+        // SAFETY: the record is in bounds (checked above).
+        let (weights, negative, (dw, mins)) = unsafe {
+            let at = w.quants.as_ptr().add(record * record_bytes);
+            let ahead = at.wrapping_add(8 * record_bytes);
+            for line in (0..record_bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+            }
+            let mut weights = [_mm512_setzero_si512(); 8];
+            let mut negative = [0u64; 8];
+            if NIBBLES {
+                for j in 0..4 {
+                    let packed = _mm512_loadu_si512(at.add(64 * j) as *const __m512i);
+                    weights[j] = _mm512_and_si512(packed, low);
+                    weights[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                }
+            } else {
+                for r in 0..8 {
+                    let signed = _mm512_loadu_si512(at.add(64 * r) as *const __m512i);
+                    negative[r] = _mm512_movepi8_mask(signed);
+                    weights[r] = _mm512_abs_epi8(signed);
+                }
+            }
+            (weights, negative, record_meta::<NIBBLES>(w, record))
+        };
+        for t in 0..R {
+            let row = r0 + t;
+            // SAFETY: row `row`'s block b is in bounds (checked above).
+            let (sums, dx, sx) = unsafe {
+                let xs = x.quants.as_ptr().add(row * k + b * BLOCK) as *const i32;
+                // Two chains of four: integer sums are exact in any order.
+                let mut chains = [_mm512_setzero_si512(); 2];
+                for r in 0..8 {
+                    let mut values = _mm512_set1_epi32(xs.add(r).read_unaligned());
+                    if !NIBBLES {
+                        values = _mm512_mask_sub_epi8(values, negative[r], _mm512_setzero_si512(), values);
+                    }
+                    chains[r % 2] = _mm512_dpbusd_epi32(chains[r % 2], weights[r], values);
+                }
+                let at = row * nb + b;
+                (
+                    _mm512_add_epi32(chains[0], chains[1]),
+                    *x.scales.get_unchecked(at),
+                    *x.sums.get_unchecked(at),
+                )
+            };
+            acc[t] = scale_sums::<NIBBLES>(acc[t], sums, dw, mins, dx, sx);
+        }
+    }
+    for t in 0..R {
+        // SAFETY: `out` holds R rows of 16 (checked above).
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE_COLS), acc[t]) };
+    }
+}
