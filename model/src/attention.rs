@@ -11,6 +11,8 @@ use crate::kv_cache::KeyLayout;
 
 #[cfg(target_arch = "x86_64")]
 mod tiles;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use tiles::exp16;
 
 /// Shapes of one attention call.
 pub struct AttentionShape {
@@ -281,7 +283,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 }
 
 /// A dot product with eight independent accumulators (vectorises; fixed summation order).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {

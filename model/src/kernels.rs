@@ -565,11 +565,20 @@ impl QuantizedRows {
     /// values rounded to nearest-even, and scale · Σq (as f16) for the minimum term. `x` is
     /// `[m, k]`; `k` must be a multiple of 32. Reuses this value's buffers.
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
-        self.quantize_with(Kernel::detect(), x, m, k);
+        self.quantize_with(Kernel::detect(), x, m, k, true);
     }
 
-    /// As [`QuantizedRows::quantize`] with a given implementation (all give identical results).
-    pub(crate) fn quantize_with(&mut self, kernel: Kernel, x: &[f32], m: usize, k: usize) {
+    /// As [`QuantizedRows::quantize`], for these matrices only (all of width k): the
+    /// interleaved copy for the lane kernels is written only if one of them reads it.
+    pub fn quantize_for(&mut self, matrices: &[&QuantMatrix], x: &[f32], m: usize) {
+        assert!(!matrices.is_empty() && QuantMatrix::compatible(matrices));
+        let lanes = matrices.iter().any(|w| w.layout == Layout::Lanes);
+        self.quantize_with(Kernel::detect(), x, m, matrices[0].k, lanes);
+    }
+
+    /// As [`QuantizedRows::quantize`] with a given implementation (all give identical
+    /// results), and the lane kernels' interleaved copy if `lanes`.
+    pub(crate) fn quantize_with(&mut self, kernel: Kernel, x: &[f32], m: usize, k: usize, lanes: bool) {
         assert!(
             k.is_multiple_of(BLOCK) && x.len() == m * k,
             "activations must be [m, k], k % 32 == 0"
@@ -586,7 +595,7 @@ impl QuantizedRows {
         #[cfg(target_arch = "x86_64")]
         match kernel {
             Kernel::Amx | Kernel::Avx512Vnni => {
-                let pairs = m * blocks.div_ceil(2);
+                let pairs = if lanes { m * blocks.div_ceil(2) } else { 0 };
                 self.lane_scales.clear();
                 self.lane_scales.resize(4 * pairs, 0.0);
                 self.lane_quants.clear();
@@ -606,13 +615,15 @@ impl QuantizedRows {
                         &mut self.lane_offsets,
                     )
                 };
-                self.lanes_ready = true;
+                self.lanes_ready = lanes;
                 return;
             }
             Kernel::Avx2 => {
                 // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
                 unsafe { avx2_groups::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
-                self.interleave_lanes();
+                if lanes {
+                    self.interleave_lanes();
+                }
                 return;
             }
             Kernel::Portable => {}

@@ -109,7 +109,7 @@ pub unsafe fn attend(
 /// [`super::exp`] on 16 lanes (the same polynomial, so within 2 ulp of `f32::exp`).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
-fn exp16(x: __m512) -> __m512 {
+pub(crate) fn exp16(x: __m512) -> __m512 {
     let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(87.0));
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     let n = _mm512_roundscale_ps::<NEAREST>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));

@@ -142,14 +142,15 @@ pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
 
 /// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and pushes each block's
 /// scale and scaled sum, with exactly the arithmetic of the portable version (max |x| / 127,
-/// multiply by its inverse, round half to even, f16 scale), sixteen lanes at a time. Also
-/// writes the interleaved copy the lane kernels read: per row and block pair, value v of
-/// block h at byte `16 · (v % 16 / 4) + 8h + 4 · (v / 16) + v % 4`, the pair's scales
-/// `[d_0, d_0, d_1, d_1]` and its offsets `−128 · Σ` over each half block.
+/// multiply by its inverse, round half to even, f16 scale), sixteen lanes at a time. Unless
+/// the lane buffers are empty, also writes the interleaved copy the lane kernels read: per
+/// row and block pair, value v of block h at byte `16 · (v % 16 / 4) + 8h + 4 · (v / 16) + v
+/// % 4`, the pair's scales `[d_0, d_0, d_1, d_1]` and its offsets `−128 · Σ` over each half
+/// block.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW; `quants` must hold `x.len()` values and the lane
-/// buffers `rows · pairs` entries (64 bytes, 4 floats and 4 integers each), zeroed.
+/// buffers none or `rows · pairs` entries (64 bytes, 4 floats and 4 integers each), zeroed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn quantize(
@@ -165,10 +166,12 @@ pub unsafe fn quantize(
     assert!(x.len().is_multiple_of(BLOCK) && quants.len() == x.len());
     let pairs = blocks.div_ceil(2);
     let rows = x.len() / BLOCK / blocks.max(1);
+    let lanes = !lane_quants.is_empty();
     assert!(
-        lane_quants.len() == rows * pairs * LANE_PAIR_BYTES
-            && lane_scales.len() == rows * pairs * 4
-            && lane_offsets.len() == rows * pairs * 4
+        !lanes
+            || (lane_quants.len() == rows * pairs * LANE_PAIR_BYTES
+                && lane_scales.len() == rows * pairs * 4
+                && lane_offsets.len() == rows * pairs * 4)
     );
     for (g, (chunk, q)) in x
         .chunks_exact(BLOCK)
@@ -199,6 +202,9 @@ pub unsafe fn quantize(
         sums.push(super::to_f32(super::to_f16(
             d * (half_sums[0] + half_sums[1]) as f32,
         )));
+        if !lanes {
+            continue;
+        }
         let (row, b) = (g / blocks, g % blocks);
         let (pair, h) = (row * pairs + b / 2, b % 2);
         let base = pair * LANE_PAIR_BYTES + 8 * h;

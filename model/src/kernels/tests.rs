@@ -196,7 +196,7 @@ fn the_portable_quantiser_rounds_half_to_even_against_max_over_127() {
     let mut x = vec![0f32; 32];
     x[..6].copy_from_slice(&[127.0, 63.5, -63.5, 62.5, -0.5, 1.5]);
     let mut rows = QuantizedRows::default();
-    rows.quantize_with(Kernel::Portable, &x, 1, 32);
+    rows.quantize_with(Kernel::Portable, &x, 1, 32, true);
     assert_eq!(&rows.quants[..6], &[127, 64, -64, 62, 0, 2]);
     assert_eq!(rows.scales, vec![1.0]);
     assert_eq!(rows.sums, vec![(127 + 64 - 64 + 62 + 2) as f32]);
@@ -301,7 +301,7 @@ fn every_quantiser_gives_the_portable_result() {
         *v = 0.0;
     }
     let mut portable = QuantizedRows::default();
-    portable.quantize_with(Kernel::Portable, &x, 3, k);
+    portable.quantize_with(Kernel::Portable, &x, 3, k, true);
     assert_eq!(portable.scales.len(), 3 * k / BLOCK);
     // The all-zero block quantises to zeros with a zero scale.
     let zero_block = k / BLOCK;
@@ -315,10 +315,15 @@ fn every_quantiser_gives_the_portable_result() {
     let mut interleaved: Option<(Kernel, QuantizedRows)> = None;
     for kernel in Kernel::available() {
         let mut fast = QuantizedRows::default();
-        fast.quantize_with(kernel, &x, 3, k);
-        assert_eq!(fast.scales, portable.scales, "{kernel:?}");
-        assert_eq!(fast.sums, portable.sums, "{kernel:?}");
-        assert_eq!(fast.quants, portable.quants, "{kernel:?}");
+        let mut without_lanes = QuantizedRows::default();
+        without_lanes.quantize_with(kernel, &x, 3, k, false);
+        assert!(!without_lanes.lanes_ready, "{kernel:?}");
+        fast.quantize_with(kernel, &x, 3, k, true);
+        for rows in [&fast, &without_lanes] {
+            assert_eq!(rows.scales, portable.scales, "{kernel:?}");
+            assert_eq!(rows.sums, portable.sums, "{kernel:?}");
+            assert_eq!(rows.quants, portable.quants, "{kernel:?}");
+        }
         if !fast.lanes_ready {
             continue;
         }
@@ -342,5 +347,19 @@ fn every_quantiser_gives_the_portable_result() {
             }
             None => interleaved = Some((kernel, fast)),
         }
+    }
+}
+
+#[test]
+fn quantising_for_the_matrices_at_hand_gives_the_same_products() {
+    for format in FORMATS {
+        let (m, n, k) = (5, 20, 512);
+        let (_, packed) = matrix(format, n, k, 51);
+        let x = random(m * k, 52);
+        let mut rows = QuantizedRows::default();
+        rows.quantize_for(&[&packed], &x, m);
+        let mut out = vec![0f32; m * n];
+        QuantMatrix::matmul_many_into(&[&packed], &rows, &mut [&mut out[..]], false);
+        assert_eq!(out, packed.matmul(&x, m), "{format:?}");
     }
 }
