@@ -9,14 +9,15 @@
 //!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
-//! x86-64 and uses the best it finds): AMX-INT8 (a block of 16 weight rows × up to 16
-//! activation rows per instruction, see [`Layout::Tiles`]), AVX-512 VNNI (8 blocks per
-//! instruction, see [`Layout::Lanes`]) and AVX2 + FMA (see [`Layout::Groups`]), the last two
-//! over weights regrouped as one prefetched stream per 4 weight rows, and a portable version
-//! over plain rows for everything else. Multi-row: each weight block is loaded and unpacked once for a tile of
-//! up to eight activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1
-//! passes. Every output element is computed by the same code, over the same blocks, in the
-//! same order whatever the number of rows, so results are batch-invariant.
+//! x86-64 and uses the best it finds): with AVX-512 VNNI, 4-bit weights as blocks of 16
+//! weight rows (see [`Layout::Tiles`]) and 8-bit weights as interleaved blocks of 4 rows (see
+//! [`Layout::Lanes`]); with AMX-INT8 too, Q8_0 as tiles, whose products tile multiplies
+//! compute where enough rows share them; AVX2 + FMA (see [`Layout::Groups`] and
+//! [`Layout::Lanes`]); and a portable version over plain rows for everything else.
+//! Multi-row: each weight block is loaded and unpacked once for a tile of up to 8 (16 for
+//! tiles) activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1
+//! passes. Every output element is computed by the same arithmetic, over the same blocks, in
+//! the same order whatever the number of rows, so results are batch-invariant.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
