@@ -3,7 +3,8 @@
 //! `drafter-svc` and an `orchestrator` on loopback, then runs C concurrent streaming
 //! sessions (prompts cycling through the `specd bench spec` workloads) plainly and
 //! speculatively. Reports aggregate tok/s, time to first token and inter-token latency
-//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file. With
+//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file; with
+//! `--repetitions N` each pair of modes runs N times, alternating, pooled per row. With
 //! `--unbatched-baseline`, one verifier also runs with batching off (`--max-batch-tokens
 //! 1`: one job per forward pass), plainly, so batching's gain is measured directly.
 
@@ -50,6 +51,11 @@ pub struct LoadBenchArgs {
     /// pass), the baseline of the batching gain.
     #[arg(long)]
     unbatched_baseline: bool,
+    /// Runs of each (concurrency, mode), plain and speculative alternating, pooled into one
+    /// row each: the machine's speed drifts less between neighbouring runs than across a
+    /// whole table.
+    #[arg(long, default_value_t = 1)]
+    repetitions: usize,
 }
 
 /// A child process killed when dropped.
@@ -192,6 +198,118 @@ struct Row {
     mean_k: f64,
 }
 
+/// The benchmark's orchestrator and drafter processes, whose CPU time is read.
+#[derive(Clone, Copy)]
+struct Pids {
+    orchestrator: u32,
+    drafter: u32,
+}
+
+/// One run: `concurrency` sessions at once against the orchestrator at `url`.
+struct Load<'a> {
+    url: &'a str,
+    prompts: &'a [String],
+    concurrency: usize,
+    max_tokens: u32,
+    speculate: bool,
+}
+
+impl Load<'_> {
+    async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
+        let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..self.concurrency)
+            .map(|i| {
+                let prompt = self.prompts[i % self.prompts.len()].clone();
+                tokio::spawn(session(
+                    self.url.to_string(),
+                    prompt,
+                    self.max_tokens,
+                    self.speculate,
+                ))
+            })
+            .collect();
+        let mut tally = Tally::default();
+        for task in tasks {
+            match task.await? {
+                Ok(s) => {
+                    tally.tokens += s.tokens;
+                    tally.ttfts.push(s.ttft);
+                    tally.gaps.extend(s.gaps);
+                    tally.steps += u64::from(s.stats.verifier_calls);
+                    tally.drafter_calls += u64::from(s.stats.drafter_calls);
+                    tally.bytes += s.stats.bytes_sent + s.stats.bytes_received;
+                    tally.k_sum += s.stats.mean_k;
+                    tally.sessions += 1;
+                }
+                Err(error) => {
+                    eprintln!("bench load: a session failed: {error:#}");
+                    tally.failed += 1;
+                }
+            }
+        }
+        tally.seconds = started.elapsed().as_secs_f64();
+        tally.orchestrator_cpu = cpu_seconds(pids.orchestrator) - cpu_before.0;
+        tally.drafter_cpu = cpu_seconds(pids.drafter) - cpu_before.1;
+        Ok(tally)
+    }
+}
+
+/// Measurements of one or more runs of one (verifiers, concurrency, mode).
+#[derive(Default)]
+struct Tally {
+    tokens: usize,
+    seconds: f64,
+    ttfts: Vec<Duration>,
+    gaps: Vec<Duration>,
+    failed: usize,
+    sessions: usize,
+    steps: u64,
+    drafter_calls: u64,
+    bytes: u64,
+    k_sum: f64,
+    orchestrator_cpu: f64,
+    drafter_cpu: f64,
+}
+
+impl Tally {
+    fn add(&mut self, run: Tally) {
+        self.tokens += run.tokens;
+        self.seconds += run.seconds;
+        self.ttfts.extend(run.ttfts);
+        self.gaps.extend(run.gaps);
+        self.failed += run.failed;
+        self.sessions += run.sessions;
+        self.steps += run.steps;
+        self.drafter_calls += run.drafter_calls;
+        self.bytes += run.bytes;
+        self.k_sum += run.k_sum;
+        self.orchestrator_cpu += run.orchestrator_cpu;
+        self.drafter_cpu += run.drafter_cpu;
+    }
+
+    fn row(mut self, verifiers: usize, concurrency: usize, mode: &'static str) -> Row {
+        let per = |total: f64, n: u64| if n == 0 { 0.0 } else { total / n as f64 };
+        Row {
+            orchestrator_cpu_ms_per_step: per(self.orchestrator_cpu * 1e3, self.steps),
+            drafter_cpu_ms_per_call: per(self.drafter_cpu * 1e3, self.drafter_calls),
+            bytes_per_step: per(self.bytes as f64, self.steps),
+            mean_k: per(self.k_sum, self.sessions as u64),
+            verifiers,
+            concurrency,
+            mode,
+            tokens: self.tokens,
+            seconds: self.seconds,
+            tokens_per_second: self.tokens as f64 / self.seconds,
+            ttft_p50_ms: percentile_ms(&mut self.ttfts, 0.5),
+            ttft_p99_ms: percentile_ms(&mut self.ttfts, 0.99),
+            itl_p50_ms: percentile_ms(&mut self.gaps, 0.5),
+            itl_p99_ms: percentile_ms(&mut self.gaps, 0.99),
+            failed: self.failed,
+        }
+    }
+}
+
 fn percentile_ms(values: &mut [Duration], p: f64) -> f64 {
     if values.is_empty() {
         return 0.0;
@@ -293,58 +411,30 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
             } else {
                 &[("plain-unbatched", false)]
             };
-            for &(mode, speculate) in modes {
-                eprintln!("bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode}");
-                let orchestrator_pid = procs.last().expect("the orchestrator").0.id();
-                let drafter_pid = procs[verifier_count].0.id();
-                let cpu_before = (cpu_seconds(orchestrator_pid), cpu_seconds(drafter_pid));
-                let started = Instant::now();
-                let tasks: Vec<_> = (0..concurrency)
-                    .map(|i| {
-                        let prompt = prompts[i % prompts.len()].clone();
-                        tokio::spawn(session(url.clone(), prompt, args.max_tokens, speculate))
-                    })
-                    .collect();
-                let (mut ttfts, mut gaps, mut tokens, mut failed) = (Vec::new(), Vec::new(), 0, 0);
-                let (mut steps, mut drafter_calls, mut bytes, mut k_sum) = (0u64, 0u64, 0u64, 0.0);
-                for task in tasks {
-                    match task.await? {
-                        Ok(s) => {
-                            tokens += s.tokens;
-                            ttfts.push(s.ttft);
-                            gaps.extend(s.gaps);
-                            steps += u64::from(s.stats.verifier_calls);
-                            drafter_calls += u64::from(s.stats.drafter_calls);
-                            bytes += s.stats.bytes_sent + s.stats.bytes_received;
-                            k_sum += s.stats.mean_k;
-                        }
-                        Err(error) => {
-                            eprintln!("bench load: a session failed: {error:#}");
-                            failed += 1;
-                        }
-                    }
+            let pids = Pids {
+                orchestrator: procs.last().expect("the orchestrator").0.id(),
+                drafter: procs[verifier_count].0.id(),
+            };
+            let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
+            for repetition in 0..args.repetitions.max(1) {
+                for (&(mode, speculate), tally) in modes.iter().zip(&mut tallies) {
+                    eprintln!(
+                        "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",
+                        repetition + 1,
+                        args.repetitions.max(1)
+                    );
+                    let load = Load {
+                        url: &url,
+                        prompts: &prompts,
+                        concurrency,
+                        max_tokens: args.max_tokens,
+                        speculate,
+                    };
+                    tally.add(load.run(pids).await?);
                 }
-                let seconds = started.elapsed().as_secs_f64();
-                let orchestrator_cpu = cpu_seconds(orchestrator_pid) - cpu_before.0;
-                let drafter_cpu = cpu_seconds(drafter_pid) - cpu_before.1;
-                let per = |total: f64, n: u64| if n == 0 { 0.0 } else { total / n as f64 };
-                rows.push(Row {
-                    orchestrator_cpu_ms_per_step: per(orchestrator_cpu * 1e3, steps),
-                    drafter_cpu_ms_per_call: per(drafter_cpu * 1e3, drafter_calls),
-                    bytes_per_step: per(bytes as f64, steps),
-                    mean_k: k_sum / concurrency.max(1) as f64,
-                    verifiers: verifier_count,
-                    concurrency,
-                    mode,
-                    tokens,
-                    seconds,
-                    tokens_per_second: tokens as f64 / seconds,
-                    ttft_p50_ms: percentile_ms(&mut ttfts, 0.5),
-                    ttft_p99_ms: percentile_ms(&mut ttfts, 0.99),
-                    itl_p50_ms: percentile_ms(&mut gaps, 0.5),
-                    itl_p99_ms: percentile_ms(&mut gaps, 0.99),
-                    failed,
-                });
+            }
+            for (&(mode, _), tally) in modes.iter().zip(tallies) {
+                rows.push(tally.row(verifier_count, concurrency, mode));
             }
         }
         drop(procs);
