@@ -191,8 +191,7 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
     r0: usize,
     out: &mut [f32],
 ) {
-    check(w, group, x, r0, R, NIBBLES);
-    assert!(out.len() >= R * TILE_COLS);
+    check(w, group, x, r0, R, NIBBLES, out.len());
     // SAFETY: the caller guarantees AMX and its permission.
     unsafe { configure(R) };
     let (nb, k) = (x.blocks, x.k);

@@ -71,8 +71,17 @@ pub(super) unsafe fn record_meta<const NIBBLES: bool>(w: &QuantMatrix, record: u
 }
 
 /// Checks the bounds every unchecked access of the tile-layout kernels relies on.
-pub(super) fn check(w: &QuantMatrix, group: usize, x: &QuantizedRows, r0: usize, rows: usize, nibbles: bool) {
+pub(super) fn check(
+    w: &QuantMatrix,
+    group: usize,
+    x: &QuantizedRows,
+    r0: usize,
+    rows: usize,
+    nibbles: bool,
+    outputs: usize,
+) {
     let nb = x.blocks;
+    assert!(outputs >= rows * TILE_COLS, "the output holds a tile");
     assert!((1..=TILE_ROWS).contains(&rows) && r0 + rows <= x.m && w.k == x.k);
     assert!(x.quants.len() >= x.m * x.k && x.scales.len() >= x.m * nb && x.sums.len() >= x.m * nb);
     let records = (group + 1) * nb;
@@ -96,8 +105,7 @@ pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
     r0: usize,
     out: &mut [f32],
 ) {
-    check(w, group, x, r0, R, NIBBLES);
-    assert!(out.len() >= R * TILE_COLS);
+    check(w, group, x, r0, R, NIBBLES, out.len());
     let (nb, k) = (x.blocks, x.k);
     let record_bytes = if NIBBLES { NIBBLE_RECORD } else { BYTE_RECORD };
     let mut acc = [_mm512_setzero_ps(); R];
