@@ -317,10 +317,9 @@ impl QuantMatrix {
                 "weights in the tile layout need the AVX-512 (or AMX) kernels"
             );
             let group = j0 / TILE_COLS;
-            let nibbles = self.family == Family::Nibbles;
             // Both give the same results (see `tiles`); tile multiplies pay only from a few
             // rows (see `amx`).
-            let amx = kernel == Kernel::Amx && count >= if nibbles { 14 } else { 2 };
+            let amx = kernel == Kernel::Amx && amx::pays(self.family == Family::Nibbles, count);
             macro_rules! rows {
                 ($nibbles:literal, $($r:literal)*) => {
                     // SAFETY: tile-layout weights exist only when the CPU has AVX-512 VNNI,

@@ -16,8 +16,19 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::Cell;
 
-use super::tiles::{BYTE_RECORD, NIBBLE_RECORD, check, record_meta, scale_sums};
+use super::tiles::{BYTE_RECORD, NIBBLE_RECORD, check, prefetch_ahead, record_meta, scale_sums, store_rows};
 use super::{BLOCK, QuantMatrix, QuantizedRows, TILE_COLS, TILE_ROWS};
+
+/// Activation rows from which tile multiplies beat the VNNI kernels of `tiles.rs` (measured;
+/// see the module documentation): 4-bit and 8-bit weights.
+const NIBBLE_ROWS_FROM: usize = 14;
+const BYTE_ROWS_FROM: usize = 2;
+
+/// Whether tile multiplies pay for `rows` activation rows of 4-bit (`nibbles`) or 8-bit
+/// weights; below that the VNNI kernels compute the same results faster.
+pub(super) fn pays(nibbles: bool, rows: usize) -> bool {
+    rows >= if nibbles { NIBBLE_ROWS_FROM } else { BYTE_ROWS_FROM }
+}
 
 /// Whether this CPU has AMX-TILE and AMX-INT8 and the kernel lets this process use them.
 pub(super) fn supported() -> bool {
@@ -242,10 +253,7 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
         // tiles are 64-byte aligned and as large as the tiles. The first step stores stale
         // sums to the scratch, which nothing reads.
         unsafe {
-            let ahead = w.quants.as_ptr().wrapping_add((record + 8) * record_bytes);
-            for line in (0..record_bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-            }
+            prefetch_ahead(w, record, record_bytes);
             let weights = if NIBBLES {
                 if b + UNPACK_LEAD < nb {
                     unpack(b + UNPACK_LEAD);
@@ -264,8 +272,6 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
     // SAFETY: the scratch holds a tile of sums per set.
     unsafe { store_sums(last, sums_at(last)) };
     scale_block(nb - 1, last);
-    for t in 0..R {
-        // SAFETY: `out` holds R rows of 16 (checked above).
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE_COLS), acc[t]) };
-    }
+    // SAFETY: `out` holds R rows of 16 (checked above).
+    unsafe { store_rows(&acc, out) };
 }

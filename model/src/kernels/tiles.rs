@@ -70,6 +70,30 @@ pub(super) unsafe fn record_meta<const NIBBLES: bool>(w: &QuantMatrix, record: u
     )
 }
 
+/// Asks for the record 8 ahead of `record` (a group's records are one sequential stream; the
+/// hint may name any address and never faults).
+#[inline]
+#[target_feature(enable = "sse")]
+pub(super) fn prefetch_ahead(w: &QuantMatrix, record: usize, record_bytes: usize) {
+    let ahead = w.quants.as_ptr().wrapping_add((record + 8) * record_bytes);
+    for line in (0..record_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
+    }
+}
+
+/// Writes each activation row's accumulator (16 weight rows) to `out[t * 16..]`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `out` must hold R rows of 16 (see [`check`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn store_rows<const R: usize>(acc: &[__m512; R], out: &mut [f32]) {
+    for (t, row) in acc.iter().enumerate() {
+        // SAFETY: as the caller guarantees.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE_COLS), *row) };
+    }
+}
+
 /// Checks the bounds every unchecked access of the tile-layout kernels relies on.
 pub(super) fn check(
     w: &QuantMatrix,
@@ -115,10 +139,7 @@ pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
         // SAFETY: the record is in bounds (checked above).
         let (weights, negative, (dw, mins)) = unsafe {
             let at = w.quants.as_ptr().add(record * record_bytes);
-            let ahead = at.wrapping_add(8 * record_bytes);
-            for line in (0..record_bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line) as *const i8);
-            }
+            prefetch_ahead(w, record, record_bytes);
             let mut weights = [_mm512_setzero_si512(); 8];
             let mut negative = [0u64; 8];
             if NIBBLES {
@@ -160,8 +181,6 @@ pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
             acc[t] = scale_sums::<NIBBLES>(acc[t], sums, dw, mins, dx, sx);
         }
     }
-    for t in 0..R {
-        // SAFETY: `out` holds R rows of 16 (checked above).
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * TILE_COLS), acc[t]) };
-    }
+    // SAFETY: `out` holds R rows of 16 (checked above).
+    unsafe { store_rows(&acc, out) };
 }
