@@ -41,7 +41,7 @@ pub struct EngineBenchArgs {
     pub model: ModelArgs,
 }
 
-const PASS_SIZES: [usize; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 16];
+const PASS_SIZES: [usize; 13] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16];
 const PROMPT: usize = 64;
 
 #[derive(Debug, Default, serde::Serialize)]

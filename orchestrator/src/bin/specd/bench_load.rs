@@ -1,9 +1,11 @@
 //! `specd bench load`: throughput and latency under concurrent sessions, through the real
 //! services. For each verifier count it starts that many `verifier-svc` processes, one
-//! `drafter-svc` and an `orchestrator` on loopback, then runs C concurrent streaming
-//! sessions (prompts cycling through the `specd bench spec` workloads) plainly and
-//! speculatively. Reports aggregate tok/s, time to first token and inter-token latency
-//! (p50/p99) per (verifiers, concurrency, mode), as a table and a JSON file; with
+//! `drafter-svc` and an `orchestrator` on loopback, then keeps C streaming sessions in flight
+//! (closed loop) until every prompt of the `specd bench spec` workloads has run at least
+//! once (max(C, prompts) sessions), plainly and speculatively. Reports aggregate tok/s, each
+//! session's decode rate (after its first token), time to first token and inter-token
+//! latency (p50/p99) per (verifiers, concurrency, mode), and the decode speed-up per
+//! workload, as tables ([`report`]) and a JSON file; with
 //! `--repetitions N` each pair of modes runs N times, alternating, pooled per row. With
 //! `--unbatched-baseline`, one verifier also runs with batching off (`--max-batch-tokens
 //! 1`: one job per forward pass), plainly, so batching's gain is measured directly.
@@ -13,9 +15,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use serde::Serialize;
 use specd_proto::v1 as pb;
 use tonic_health::pb::health_check_response::ServingStatus;
+
+mod report;
+
+use report::{Row, print_table, print_workload_speedups};
 
 const WORKLOADS: &str = include_str!("workloads.json");
 
@@ -27,6 +32,9 @@ pub struct LoadBenchArgs {
     /// Verifier process counts, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     verifiers: Vec<usize>,
+    /// Workloads whose prompts the sessions run, comma-separated (default: all of them).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
     /// Tokens generated per session.
     #[arg(long, default_value_t = 32)]
     max_tokens: u32,
@@ -106,6 +114,8 @@ async fn wait_serving(url: &str) -> anyhow::Result<()> {
 struct Session {
     tokens: usize,
     ttft: Duration,
+    /// From the first token to the last.
+    decode: Duration,
     gaps: Vec<Duration>,
     stats: pb::SpeculationStats,
 }
@@ -145,7 +155,7 @@ async fn session(url: String, prompt: String, max_tokens: u32, speculate: bool) 
     };
     let started = Instant::now();
     let mut stream = client.generate_stream(request).await?.into_inner();
-    let (mut tokens, mut ttft, mut last) = (0usize, None, started);
+    let (mut tokens, mut ttft, mut last) = (0usize, None::<Duration>, started);
     let mut gaps = Vec::new();
     let mut stats = pb::SpeculationStats::default();
     while let Some(event) = stream.message().await? {
@@ -169,33 +179,14 @@ async fn session(url: String, prompt: String, max_tokens: u32, speculate: bool) 
             tokens += n;
         }
     }
+    let ttft = ttft.unwrap_or_else(|| started.elapsed());
     Ok(Session {
         tokens,
-        ttft: ttft.unwrap_or_else(|| started.elapsed()),
+        decode: (last - started).saturating_sub(ttft),
+        ttft,
         gaps,
         stats,
     })
-}
-
-#[derive(Debug, Serialize)]
-struct Row {
-    verifiers: usize,
-    concurrency: usize,
-    mode: &'static str,
-    tokens: usize,
-    seconds: f64,
-    tokens_per_second: f64,
-    ttft_p50_ms: f64,
-    ttft_p99_ms: f64,
-    itl_p50_ms: f64,
-    itl_p99_ms: f64,
-    failed: usize,
-    /// Orchestrator CPU per speculative step (verifier call), drafter CPU per proposal,
-    /// and bytes on the wire per step.
-    orchestrator_cpu_ms_per_step: f64,
-    drafter_cpu_ms_per_call: f64,
-    bytes_per_step: f64,
-    mean_k: f64,
 }
 
 /// The benchmark's orchestrator and drafter processes, whose CPU time is read.
@@ -205,10 +196,18 @@ struct Pids {
     drafter: u32,
 }
 
-/// One run: `concurrency` sessions at once against the orchestrator at `url`.
+/// A bench prompt and the workload it belongs to.
+#[derive(Clone)]
+struct Prompt {
+    workload: String,
+    text: String,
+}
+
+/// One run: `concurrency` sessions in flight against the orchestrator at `url`, each
+/// starting the next prompt when it ends, until max(concurrency, prompts) have run.
 struct Load<'a> {
     url: &'a str,
-    prompts: &'a [String],
+    prompts: &'a [Prompt],
     concurrency: usize,
     max_tokens: u32,
     speculate: bool,
@@ -218,22 +217,38 @@ impl Load<'_> {
     async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
         let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
         let started = Instant::now();
-        let tasks: Vec<_> = (0..self.concurrency)
-            .map(|i| {
-                let prompt = self.prompts[i % self.prompts.len()].clone();
-                tokio::spawn(session(
-                    self.url.to_string(),
-                    prompt,
-                    self.max_tokens,
-                    self.speculate,
-                ))
+        let sessions = self.concurrency.max(self.prompts.len());
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let workers: Vec<_> = (0..self.concurrency)
+            .map(|_| {
+                let (next, url, prompts) = (next.clone(), self.url.to_string(), self.prompts.to_vec());
+                let (max_tokens, speculate) = (self.max_tokens, self.speculate);
+                tokio::spawn(async move {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= sessions {
+                            return done;
+                        }
+                        let prompt = &prompts[i % prompts.len()];
+                        let result = session(url.clone(), prompt.text.clone(), max_tokens, speculate).await;
+                        done.push((prompt.workload.clone(), result));
+                    }
+                })
             })
             .collect();
         let mut tally = Tally::default();
-        for task in tasks {
-            match task.await? {
+        let mut results = Vec::new();
+        for worker in workers {
+            results.extend(worker.await?);
+        }
+        for (workload, result) in results {
+            match result {
                 Ok(s) => {
                     tally.tokens += s.tokens;
+                    let per_workload = tally.workloads.entry(workload).or_default();
+                    per_workload.0 += s.tokens.saturating_sub(1);
+                    per_workload.1 += s.decode.as_secs_f64();
                     tally.ttfts.push(s.ttft);
                     tally.gaps.extend(s.gaps);
                     tally.steps += u64::from(s.stats.verifier_calls);
@@ -262,6 +277,8 @@ struct Tally {
     seconds: f64,
     ttfts: Vec<Duration>,
     gaps: Vec<Duration>,
+    /// Per workload: tokens after each session's first, and seconds after its first token.
+    workloads: std::collections::BTreeMap<String, (usize, f64)>,
     failed: usize,
     sessions: usize,
     steps: u64,
@@ -278,6 +295,11 @@ impl Tally {
         self.seconds += run.seconds;
         self.ttfts.extend(run.ttfts);
         self.gaps.extend(run.gaps);
+        for (workload, (tokens, seconds)) in run.workloads {
+            let mine = self.workloads.entry(workload).or_default();
+            mine.0 += tokens;
+            mine.1 += seconds;
+        }
         self.failed += run.failed;
         self.sessions += run.sessions;
         self.steps += run.steps;
@@ -290,7 +312,17 @@ impl Tally {
 
     fn row(mut self, verifiers: usize, concurrency: usize, mode: &'static str) -> Row {
         let per = |total: f64, n: u64| if n == 0 { 0.0 } else { total / n as f64 };
+        let (decode_tokens, decode_seconds) = self
+            .workloads
+            .values()
+            .fold((0, 0.0), |(t, s), &(tokens, seconds)| (t + tokens, s + seconds));
         Row {
+            session_decode_tokens_per_second: decode_tokens as f64 / decode_seconds,
+            workload_decode_tokens_per_second: self
+                .workloads
+                .iter()
+                .map(|(name, &(tokens, seconds))| (name.clone(), tokens as f64 / seconds))
+                .collect(),
             orchestrator_cpu_ms_per_step: per(self.orchestrator_cpu * 1e3, self.steps),
             drafter_cpu_ms_per_call: per(self.drafter_cpu * 1e3, self.drafter_calls),
             bytes_per_step: per(self.bytes as f64, self.steps),
@@ -332,13 +364,27 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
     };
     let model = model.display().to_string();
     let workloads: serde_json::Value = serde_json::from_str(WORKLOADS)?;
-    let prompts: Vec<String> = workloads["workloads"]
-        .as_array()
-        .context("workloads")?
-        .iter()
-        .flat_map(|w| w["prompts"].as_array().cloned().unwrap_or_default())
-        .filter_map(|p| p.as_str().map(String::from))
-        .collect();
+    let mut prompts: Vec<Prompt> = Vec::new();
+    let mut names = Vec::new();
+    for workload in workloads["workloads"].as_array().context("workloads")? {
+        let name = workload["name"].as_str().context("a workload's name")?;
+        names.push(name);
+        if !args.workloads.is_empty() && !args.workloads.iter().any(|w| w == name) {
+            continue;
+        }
+        for text in workload["prompts"].as_array().context("a workload's prompts")? {
+            prompts.push(Prompt {
+                workload: name.to_string(),
+                text: text.as_str().context("a prompt")?.to_string(),
+            });
+        }
+    }
+    if let Some(unknown) = args.workloads.iter().find(|w| !names.contains(&w.as_str())) {
+        anyhow::bail!(
+            "no workload is named {unknown:?}; the workloads are {}",
+            names.join(", ")
+        );
+    }
     let mut rows = Vec::new();
     // (verifier processes, batching on)
     let mut setups: Vec<(usize, bool)> = args.verifiers.iter().map(|&v| (v, true)).collect();
@@ -400,7 +446,10 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         wait_serving(&url).await?;
         // Warm-up: page in weights on every replica.
         let warm: Vec<_> = (0..verifier_count * 2)
-            .map(|i| tokio::spawn(session(url.clone(), prompts[i % prompts.len()].clone(), 4, true)))
+            .map(|i| {
+                let prompt = prompts[i % prompts.len()].text.clone();
+                tokio::spawn(session(url.clone(), prompt, 4, true))
+            })
             .collect();
         for w in warm {
             w.await??;
@@ -440,15 +489,17 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         drop(procs);
     }
     print_table(&rows);
+    print_workload_speedups(&rows);
     for row in rows.iter().filter(|r| r.mode == "plain-unbatched") {
         if let Some(batched) = rows
             .iter()
             .find(|r| r.verifiers == 1 && r.concurrency == row.concurrency && r.mode == "plain")
         {
             println!(
-                "batching, 1 verifier, {} sessions: {:.2}x the tok/s of one job per pass",
+                "batching, 1 verifier, {} sessions: {:.2}x the tok/s of one job per pass ({:.2}x each session's decode rate)",
                 row.concurrency,
-                batched.tokens_per_second / row.tokens_per_second
+                batched.tokens_per_second / row.tokens_per_second,
+                batched.session_decode_tokens_per_second / row.session_decode_tokens_per_second
             );
         }
     }
@@ -458,47 +509,4 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&rows)?)?;
     eprintln!("wrote {}", args.json_out.display());
     Ok(())
-}
-
-fn print_table(rows: &[Row]) {
-    println!(
-        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>7}",
-        "verifiers",
-        "conc",
-        "mode",
-        "tok/s",
-        "vs plain",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL p50",
-        "ITL p99",
-        "failed",
-        "mean K",
-        "orch ms/st",
-        "drft ms/c",
-        "B/step"
-    );
-    for row in rows {
-        let plain = rows
-            .iter()
-            .find(|r| r.verifiers == row.verifiers && r.concurrency == row.concurrency && r.mode == "plain")
-            .map_or(f64::NAN, |r| r.tokens_per_second);
-        println!(
-            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.3} {:>9.3} {:>7.0}",
-            row.verifiers,
-            row.concurrency,
-            row.mode,
-            row.tokens_per_second,
-            row.tokens_per_second / plain,
-            row.ttft_p50_ms,
-            row.ttft_p99_ms,
-            row.itl_p50_ms,
-            row.itl_p99_ms,
-            row.failed,
-            row.mean_k,
-            row.orchestrator_cpu_ms_per_step,
-            row.drafter_cpu_ms_per_call,
-            row.bytes_per_step
-        );
-    }
 }

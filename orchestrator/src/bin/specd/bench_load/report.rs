@@ -1,0 +1,115 @@
+//! The load benchmark's tables: one row per (verifiers, concurrency, mode), and the
+//! speculative/plain decode rate per workload.
+
+use serde::Serialize;
+
+#[derive(Debug, Serialize)]
+pub struct Row {
+    pub verifiers: usize,
+    pub concurrency: usize,
+    pub mode: &'static str,
+    pub tokens: usize,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    /// Tokens after each session's first over the time after its first token, summed over
+    /// sessions: the decode speed one session sees.
+    pub session_decode_tokens_per_second: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    pub failed: usize,
+    /// Orchestrator CPU per speculative step (verifier call), drafter CPU per proposal,
+    /// and bytes on the wire per step.
+    pub orchestrator_cpu_ms_per_step: f64,
+    pub drafter_cpu_ms_per_call: f64,
+    pub bytes_per_step: f64,
+    pub mean_k: f64,
+    /// Per workload, as `session_decode_tokens_per_second`.
+    pub workload_decode_tokens_per_second: std::collections::BTreeMap<String, f64>,
+}
+
+pub fn print_table(rows: &[Row]) {
+    println!(
+        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>7}",
+        "verifiers",
+        "conc",
+        "mode",
+        "tok/s",
+        "vs plain",
+        "decode/s",
+        "vs plain",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "failed",
+        "mean K",
+        "orch ms/st",
+        "drft ms/c",
+        "B/step"
+    );
+    for row in rows {
+        let plain = plain_row(rows, row);
+        println!(
+            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>9.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.3} {:>9.3} {:>7.0}",
+            row.verifiers,
+            row.concurrency,
+            row.mode,
+            row.tokens_per_second,
+            plain.map_or(f64::NAN, |p| row.tokens_per_second / p.tokens_per_second),
+            row.session_decode_tokens_per_second,
+            plain.map_or(f64::NAN, |p| row.session_decode_tokens_per_second
+                / p.session_decode_tokens_per_second),
+            row.ttft_p50_ms,
+            row.ttft_p99_ms,
+            row.itl_p50_ms,
+            row.itl_p99_ms,
+            row.failed,
+            row.mean_k,
+            row.orchestrator_cpu_ms_per_step,
+            row.drafter_cpu_ms_per_call,
+            row.bytes_per_step
+        );
+    }
+}
+
+/// The plain row measured beside `row` (same verifiers and concurrency).
+fn plain_row<'a>(rows: &'a [Row], row: &Row) -> Option<&'a Row> {
+    rows.iter()
+        .find(|r| r.verifiers == row.verifiers && r.concurrency == row.concurrency && r.mode == "plain")
+}
+
+/// Speculative over plain decode rate per session, per workload.
+pub fn print_workload_speedups(rows: &[Row]) {
+    let Some(first) = rows.iter().find(|r| r.mode == "speculative") else {
+        return;
+    };
+    let names: Vec<&String> = first.workload_decode_tokens_per_second.keys().collect();
+    println!("\nspeculative / plain, decode rate per session, by workload");
+    print!("{:>9} {:>5}", "verifiers", "conc");
+    for name in &names {
+        print!(" {name:>15}");
+    }
+    println!();
+    for row in rows.iter().filter(|r| r.mode == "speculative") {
+        let Some(plain) = plain_row(rows, row) else {
+            continue;
+        };
+        print!("{:>9} {:>5}", row.verifiers, row.concurrency);
+        for name in &names {
+            let ratio = row
+                .workload_decode_tokens_per_second
+                .get(*name)
+                .copied()
+                .unwrap_or(f64::NAN)
+                / plain
+                    .workload_decode_tokens_per_second
+                    .get(*name)
+                    .copied()
+                    .unwrap_or(f64::NAN);
+            print!(" {:>14.2}x", ratio);
+        }
+        println!();
+    }
+}
