@@ -265,19 +265,42 @@ impl QuantMatrix {
                 let (j0, r0) = (group * col_tile, tile * row_tile);
                 let (cols, count) = (col_tile.min(w.n - j0), row_tile.min(m - r0));
                 w.tile(kernel, j0, cols, rows, r0, count, &mut tile_out);
-                for c in 0..cols {
-                    for t in 0..count {
-                        let value = tile_out[w.tile_index(c, t)];
-                        // SAFETY: each (matrix, row, column) is written by exactly one work
-                        // item, and lies inside that matrix's output (sizes checked above).
-                        unsafe {
-                            let dst = ptrs[which].get().add((r0 + t) * w.n + j0 + c);
-                            *dst = if accumulate { *dst + value } else { value };
-                        }
-                    }
+                for t in 0..count {
+                    // SAFETY: each (matrix, row, column) is written by exactly one work item,
+                    // and row r0 + t's columns j0..j0 + cols lie inside that matrix's output
+                    // (sizes checked above).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(ptrs[which].get().add((r0 + t) * w.n + j0), cols)
+                    };
+                    w.store_tile_row(&tile_out, t, dst, accumulate);
                 }
             }
         });
+    }
+
+    /// Writes (or with `accumulate` adds) activation row `t` of a kernel call's tile to `dst`,
+    /// one value per weight row of the tile. Per row, not per value: this runs for every
+    /// output of every product, so the layout's choice and the flag stay out of the loop.
+    fn store_tile_row(&self, tile: &[f32; MAX_TILE], t: usize, dst: &mut [f32], accumulate: bool) {
+        match (self.layout, accumulate) {
+            // The tile layout's kernels leave each activation row's values contiguous.
+            (Layout::Tiles, false) => dst.copy_from_slice(&tile[t * TILE_COLS..][..dst.len()]),
+            (Layout::Tiles, true) => {
+                for (d, &v) in dst.iter_mut().zip(&tile[t * TILE_COLS..]) {
+                    *d += v;
+                }
+            }
+            (_, false) => {
+                for (c, d) in dst.iter_mut().enumerate() {
+                    *d = tile[c * ROW_TILE + t];
+                }
+            }
+            (_, true) => {
+                for (c, d) in dst.iter_mut().enumerate() {
+                    *d += tile[c * ROW_TILE + t];
+                }
+            }
+        }
     }
 
     /// Weight rows and activation rows of the tile one kernel call computes.
@@ -289,7 +312,9 @@ impl QuantMatrix {
     }
 
     /// Where a kernel call leaves the product of weight row `c` and activation row `t` of
-    /// its tile: the AMX kernels write activation rows, the others weight rows.
+    /// its tile: the tile layout's kernels write activation rows, the others weight rows (as
+    /// `store_tile_row` reads them).
+    #[cfg(test)]
     fn tile_index(&self, c: usize, t: usize) -> usize {
         match self.layout {
             Layout::Tiles => t * TILE_COLS + c,
