@@ -78,16 +78,18 @@ impl CostModel {
         let mut c = self.lock();
         let n = batch_tokens as usize;
         if (1..=PASS_TABLE).contains(&n) {
-            let predicted = c.curve().predicted(n);
-            let slot = &mut c.pass[n - 1];
-            *slot = Some(match (*slot, predicted) {
-                (Some(old), _) => ema(old, forward_seconds.min(OUTLIER_FACTOR * old)),
+            let estimate = match c.pass[n - 1] {
+                Some(old) => ema(old, forward_seconds.min(OUTLIER_FACTOR * old)),
                 // A size's first pass, slower than its neighbours imply: it moves the
                 // neighbours' estimate as a later pass would move its own. (A faster one is
-                // taken as it is: noise does not make passes faster.)
-                (None, Some(p)) if forward_seconds > p => ema(p, forward_seconds.min(OUTLIER_FACTOR * p)),
-                (None, _) => forward_seconds,
-            });
+                // taken as it is: noise does not make passes faster.) Only first passes
+                // build the curve, so the call path of every other step stays as it was.
+                None => match c.curve().predicted(n) {
+                    Some(p) if forward_seconds > p => ema(p, forward_seconds.min(OUTLIER_FACTOR * p)),
+                    _ => forward_seconds,
+                },
+            };
+            c.pass[n - 1] = Some(estimate);
         }
         let round_trip = (call_seconds - forward_seconds - queue_seconds).max(0.0);
         c.round_trip = ema(c.round_trip, round_trip);
