@@ -20,9 +20,9 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 mod report;
 
-use report::{Row, print_table, print_workload_speedups};
+use crate::bench_spec::{DEFAULT_WORKLOADS, Workloads};
 
-const WORKLOADS: &str = include_str!("workloads.json");
+use report::{Row, print_table, print_workload_speedups};
 
 #[derive(Debug, clap::Args)]
 pub struct LoadBenchArgs {
@@ -363,21 +363,19 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         None => tokio::task::spawn_blocking(specd_model::fetch::ensure_default_model).await??,
     };
     let model = model.display().to_string();
-    let workloads: serde_json::Value = serde_json::from_str(WORKLOADS)?;
+    let workloads: Workloads = serde_json::from_str(DEFAULT_WORKLOADS)?;
     let mut prompts: Vec<Prompt> = Vec::new();
     let mut names = Vec::new();
-    for workload in workloads["workloads"].as_array().context("workloads")? {
-        let name = workload["name"].as_str().context("a workload's name")?;
+    for workload in &workloads.workloads {
+        let name = workload.name.as_str();
         names.push(name);
         if !args.workloads.is_empty() && !args.workloads.iter().any(|w| w == name) {
             continue;
         }
-        for text in workload["prompts"].as_array().context("a workload's prompts")? {
-            prompts.push(Prompt {
-                workload: name.to_string(),
-                text: text.as_str().context("a prompt")?.to_string(),
-            });
-        }
+        prompts.extend(workload.prompts.iter().map(|text| Prompt {
+            workload: name.to_string(),
+            text: text.clone(),
+        }));
     }
     if let Some(unknown) = args.workloads.iter().find(|w| !names.contains(&w.as_str())) {
         anyhow::bail!(

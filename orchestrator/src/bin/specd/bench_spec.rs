@@ -16,7 +16,8 @@ use specd_proto::v1 as pb;
 use crate::bench_cap::{Trace, oracle_cap};
 use crate::plot::{Panel, grouped_bars};
 
-const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
+/// The built-in workloads (`specd bench load` runs them too).
+pub(crate) const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
 
 #[derive(Debug, clap::Args)]
 pub struct SpecBenchArgs {
@@ -47,14 +48,14 @@ pub struct SpecBenchArgs {
 }
 
 #[derive(Debug, Deserialize)]
-struct Workloads {
-    workloads: Vec<Workload>,
+pub(crate) struct Workloads {
+    pub workloads: Vec<Workload>,
 }
 
 #[derive(Debug, Deserialize)]
-struct Workload {
-    name: String,
-    prompts: Vec<String>,
+pub(crate) struct Workload {
+    pub name: String,
+    pub prompts: Vec<String>,
 }
 
 /// Totals of one mode over one workload's prompts.
