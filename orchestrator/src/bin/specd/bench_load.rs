@@ -255,6 +255,8 @@ impl Load<'_> {
                     tally.drafter_calls += u64::from(s.stats.drafter_calls);
                     tally.bytes += s.stats.bytes_sent + s.stats.bytes_received;
                     tally.k_sum += s.stats.mean_k;
+                    tally.proposed += u64::from(s.stats.proposed);
+                    tally.accepted += u64::from(s.stats.accepted);
                     tally.sessions += 1;
                 }
                 Err(error) => {
@@ -285,6 +287,8 @@ struct Tally {
     drafter_calls: u64,
     bytes: u64,
     k_sum: f64,
+    proposed: u64,
+    accepted: u64,
     orchestrator_cpu: f64,
     drafter_cpu: f64,
 }
@@ -306,6 +310,8 @@ impl Tally {
         self.drafter_calls += run.drafter_calls;
         self.bytes += run.bytes;
         self.k_sum += run.k_sum;
+        self.proposed += run.proposed;
+        self.accepted += run.accepted;
         self.orchestrator_cpu += run.orchestrator_cpu;
         self.drafter_cpu += run.drafter_cpu;
     }
@@ -327,6 +333,9 @@ impl Tally {
             drafter_cpu_ms_per_call: per(self.drafter_cpu * 1e3, self.drafter_calls),
             bytes_per_step: per(self.bytes as f64, self.steps),
             mean_k: per(self.k_sum, self.sessions as u64),
+            drafts_per_step: per(self.proposed as f64, self.steps),
+            acceptance: per(self.accepted as f64, self.proposed),
+            tokens_per_step: per(self.tokens as f64, self.steps),
             verifiers,
             concurrency,
             mode,

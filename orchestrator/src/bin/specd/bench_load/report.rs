@@ -25,13 +25,18 @@ pub struct Row {
     pub drafter_cpu_ms_per_call: f64,
     pub bytes_per_step: f64,
     pub mean_k: f64,
+    /// Draft tokens verified per step (all steps, those without drafts too), the share of
+    /// them accepted, and tokens emitted per step.
+    pub drafts_per_step: f64,
+    pub acceptance: f64,
+    pub tokens_per_step: f64,
     /// Per workload, as `session_decode_tokens_per_second`.
     pub workload_decode_tokens_per_second: std::collections::BTreeMap<String, f64>,
 }
 
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>9} {:>7}",
+        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>7} {:>8} {:>9} {:>9} {:>7}",
         "verifiers",
         "conc",
         "mode",
@@ -45,6 +50,9 @@ pub fn print_table(rows: &[Row]) {
         "ITL p99",
         "failed",
         "mean K",
+        "drafts/st",
+        "accept",
+        "tok/step",
         "orch ms/st",
         "drft ms/c",
         "B/step"
@@ -52,7 +60,7 @@ pub fn print_table(rows: &[Row]) {
     for row in rows {
         let plain = plain_row(rows, row);
         println!(
-            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>9.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.3} {:>9.3} {:>7.0}",
+            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>9.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.2} {:>6.0}% {:>8.2} {:>9.3} {:>9.3} {:>7.0}",
             row.verifiers,
             row.concurrency,
             row.mode,
@@ -67,6 +75,9 @@ pub fn print_table(rows: &[Row]) {
             row.itl_p99_ms,
             row.failed,
             row.mean_k,
+            row.drafts_per_step,
+            100.0 * row.acceptance,
+            row.tokens_per_step,
             row.orchestrator_cpu_ms_per_step,
             row.drafter_cpu_ms_per_call,
             row.bytes_per_step
