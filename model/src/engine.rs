@@ -91,6 +91,9 @@ pub struct Scores {
     /// Sequences in the forward pass that served this request, and the tokens it computed.
     pub batch_size: usize,
     pub batch_tokens: usize,
+    /// Of `batch_tokens`, the prompt tokens (tokens computed with no logits due) of the
+    /// pass's other sequences: work this request's drafts shared the pass with.
+    pub others_prompt_tokens: usize,
     /// Time the job waited for the engine, and the forward pass itself.
     pub queue_seconds: f64,
     pub forward_seconds: f64,
@@ -523,6 +526,8 @@ impl Worker {
         let started = Instant::now();
         let batch_size = batch.len();
         let batch_tokens: usize = batch.iter().map(|p| p.new_tokens.len()).sum();
+        let prompt_tokens = |p: &Planned| p.new_tokens.len().saturating_sub(p.logits_at.len());
+        let batch_prompt_tokens: usize = batch.iter().map(prompt_tokens).sum();
         let result = {
             let mut steps: Vec<SequenceStep<'_>> = batch
                 .iter_mut()
@@ -548,6 +553,7 @@ impl Worker {
             Ok(all_logits) => {
                 let mut resumed = Vec::new();
                 for (planned, logits) in batch.into_iter().zip(all_logits) {
+                    let others_prompt_tokens = batch_prompt_tokens - prompt_tokens(&planned);
                     if let Some(request) = planned.resume {
                         resumed.push(Job::Score {
                             request,
@@ -569,6 +575,7 @@ impl Worker {
                             computed: planned.new_tokens.len() + planned.prefilled,
                             batch_size,
                             batch_tokens,
+                            others_prompt_tokens,
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),
                             forward_seconds,
                         });

@@ -9,9 +9,11 @@
 //! `S · E(k)`, so k is worth `E(k) · T(S) / T(S · (1 + k))` plain steps. The first tokens of a
 //! pass are nearly free on a CPU (one weight stream serves a tile of rows) and later ones
 //! cost their compute, so drafts that pay alone stop paying in a full pass: K shrinks as the
-//! verifier gets busy and grows back when it idles. Prompt chunks sharing a pass are left
-//! out of the price: they are work the drafts would delay, not work that makes drafts
-//! cheaper.
+//! verifier gets busy and grows back when it idles. Other sequences' prompt chunks in the
+//! pass (P tokens) take their share of its time: the sessions' share is
+//! `T(P + S · (1 + k)) · S · (1 + k) / (P + S · (1 + k))`. Without prompts this is the whole
+//! pass; in passes that run for prompts anyway, drafts save no pass and only add rows, so
+//! they pay only when nearly every one is kept.
 
 use std::sync::Mutex;
 
@@ -43,8 +45,9 @@ struct Costs {
     /// Seconds of one drafter call, and per drafted token (LM drafters).
     draft_call: f64,
     draft_per_token: f64,
-    /// Sessions in the verifier's recent passes.
+    /// Sessions in the verifier's recent passes, and other sequences' prompt tokens there.
     sessions: f64,
+    others_prompt_tokens: f64,
 }
 
 impl Default for CostModel {
@@ -60,6 +63,7 @@ impl Default for CostModel {
                 draft_call: 0.0005,
                 draft_per_token: 0.0,
                 sessions: 1.0,
+                others_prompt_tokens: 0.0,
             }),
         }
     }
@@ -71,6 +75,7 @@ impl CostModel {
         let VerifyCall {
             batch_size,
             batch_tokens,
+            others_prompt_tokens,
             forward_seconds,
             queue_seconds,
             call_seconds,
@@ -94,6 +99,7 @@ impl CostModel {
         let round_trip = (call_seconds - forward_seconds - queue_seconds).max(0.0);
         c.round_trip = ema(c.round_trip, round_trip);
         c.sessions = ema(c.sessions, f64::from(batch_size.max(1)));
+        c.others_prompt_tokens = ema(c.others_prompt_tokens, f64::from(others_prompt_tokens));
     }
 
     /// Records a drafter call that proposed `k` tokens in `seconds`.
@@ -114,8 +120,9 @@ impl CostModel {
         let curve = c.curve();
         let sessions = c.sessions.max(1.0);
         let step = |k: usize| {
-            let tokens = (sessions * (1 + k) as f64).round() as usize;
-            let mut seconds = curve.seconds(tokens) + c.round_trip;
+            let rows = sessions * (1 + k) as f64;
+            let all = rows + c.others_prompt_tokens;
+            let mut seconds = curve.seconds(all.round() as usize) * rows / all + c.round_trip;
             if k > 0 {
                 seconds += c.draft_call + c.draft_per_token * k as f64;
             }
@@ -230,6 +237,8 @@ pub struct VerifyCall {
     /// Sessions and tokens (all sessions') in the forward pass.
     pub batch_size: u32,
     pub batch_tokens: u32,
+    /// Of `batch_tokens`, other sequences' prompt tokens.
+    pub others_prompt_tokens: u32,
     pub forward_seconds: f64,
     /// Time the call waited for the engine, and the whole call as the caller saw it.
     pub queue_seconds: f64,
@@ -250,8 +259,8 @@ mod tests {
             batch_size: 1,
             batch_tokens: n,
             forward_seconds: milliseconds * 1e-3,
-            queue_seconds: 0.0,
             call_seconds: milliseconds * 1e-3,
+            ..VerifyCall::default()
         }
     }
 
@@ -286,6 +295,13 @@ mod tests {
         for _ in 0..60 {
             let mut c = model.lock();
             c.sessions = ema(c.sessions, f64::from(sessions));
+        }
+    }
+
+    fn set_others_prompt_tokens(model: &CostModel, tokens: u32) {
+        for _ in 0..60 {
+            let mut c = model.lock();
+            c.others_prompt_tokens = ema(c.others_prompt_tokens, f64::from(tokens));
         }
     }
 
@@ -361,6 +377,27 @@ mod tests {
     }
 
     #[test]
+    fn drafts_beside_other_sequences_prompts_do_not_pay() {
+        let model = cpu_curve();
+        set_load(&model, 2);
+        let decoding_only = best_k(&model, 0.8);
+        assert!(decoding_only >= 2, "{decoding_only}");
+        // Passes that also compute others' prompt chunks run anyway: a draft saves none of
+        // them and adds a row, so even 95% acceptance does not pay.
+        for prompt in [16, 64] {
+            set_others_prompt_tokens(&model, prompt);
+            assert_eq!(best_k(&model, 0.95), 0, "beside {prompt} prompt tokens");
+        }
+        // Not even perfect acceptance pays: a kept draft row costs about what a plain row
+        // does, and the drafter call comes on top.
+        let values = model.relative_values(&[1.0, 2.0, 3.0]);
+        assert!(values[1] <= 1.0 + 1e-9 && values[2] <= 1.0 + 1e-9, "{values:?}");
+        // The prompts done, the cheap part of the curve is back.
+        set_others_prompt_tokens(&model, 0);
+        assert_eq!(best_k(&model, 0.8), decoding_only);
+    }
+
+    #[test]
     fn a_lone_session_prices_k_by_the_pass_curve_and_round_trip() {
         let model = cpu_curve();
         assert!(model.lock().round_trip.abs() < 1e-9);
@@ -385,6 +422,7 @@ mod tests {
                 forward_seconds: 0.010,
                 queue_seconds: 0.002,
                 call_seconds: 0.0135,
+                ..VerifyCall::default()
             });
         }
         assert!((model.lock().round_trip - 0.0015).abs() < 1e-6);

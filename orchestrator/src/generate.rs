@@ -304,6 +304,7 @@ impl Generator {
             self.costs.record_verify(VerifyCall {
                 batch_size: response.batch_size,
                 batch_tokens: response.batch_tokens,
+                others_prompt_tokens: response.others_prompt_tokens,
                 forward_seconds: response.forward_seconds,
                 queue_seconds: response.queue_seconds,
                 call_seconds: verify_seconds,

@@ -127,6 +127,7 @@ impl VerifierCore {
             computed_tokens: scores.computed as u32,
             batch_size: scores.batch_size as u32,
             batch_tokens: scores.batch_tokens as u32,
+            others_prompt_tokens: scores.others_prompt_tokens as u32,
             queue_seconds: scores.queue_seconds,
             forward_seconds: scores.forward_seconds,
             replica: self.replica.clone(),

@@ -76,8 +76,16 @@ fn a_chunked_prompt_gives_the_same_logits_and_shares_its_passes() {
     let long = long.blocking_recv().unwrap().unwrap();
     assert_eq!(long.logits, expected.logits, "chunking must not change a logit");
     assert_eq!((long.computed, long.reused), (200, 0));
-    // The short job ran beside a chunk of the long prompt, not after all of it.
+    // The short job ran beside a chunk of the long prompt, not after all of it, and is
+    // told that the pass held a chunk (at most 16 tokens) of another sequence's prompt; the
+    // long prompt's last chunk ran alone.
     assert_eq!(short.batch_size, 2);
+    assert!(
+        (1..=16).contains(&short.others_prompt_tokens),
+        "{}",
+        short.others_prompt_tokens
+    );
+    assert_eq!(long.others_prompt_tokens, 0);
 }
 
 #[test]
