@@ -17,6 +17,9 @@ const ACCEPTANCE_DECAY: f64 = 0.9;
 /// session whose text turns predictable is noticed; each failed try doubles the wait.
 const EXPLORE_EVERY: u32 = 8;
 const EXPLORE_MAX: u32 = 256;
+/// A try is made only where a draft kept this often would pay at the current costs: on a
+/// busy verifier, where only near-certain drafts pay, tries would waste rows.
+const EXPLORE_ALPHA: f64 = 0.8;
 /// Proposals are grouped by how long a context suffix they matched (prompt lookup); longer
 /// matches are far more reliable, so each group keeps its own acceptance record.
 pub const MATCH_BUCKETS: usize = 4;
@@ -71,15 +74,10 @@ impl KPolicy {
             self.steps_without_draft += 1;
             return 0;
         }
-        let alpha = self.alpha(bucket);
-        let expected: Vec<f64> = (0..=available).map(|k| expected_tokens(k, alpha)).collect();
-        let value = costs.relative_values(&expected);
-        let best = (0..=available)
-            .max_by(|&a, &b| value[a].total_cmp(&value[b]))
-            .unwrap_or(0);
+        let best = best_k(available, self.alpha(bucket), costs);
         if best == 0 {
             self.steps_without_draft += 1;
-            if self.steps_without_draft >= self.explore_after {
+            if self.steps_without_draft >= self.explore_after && best_k(1, EXPLORE_ALPHA, costs) > 0 {
                 self.steps_without_draft = 0;
                 self.exploring = true;
                 return 1;
@@ -88,6 +86,23 @@ impl KPolicy {
         }
         self.steps_without_draft = 0;
         best
+    }
+
+    /// Whether a proposal of up to `available` drafts could be verified this step: the most
+    /// reliable acceptance group would draft at the current costs, or a try is due. When
+    /// not, the drafter need not be asked (see [`KPolicy::skip`]).
+    pub fn worth_drafting(&self, available: usize, costs: &CostModel) -> bool {
+        if available == 0 {
+            return false;
+        }
+        let alpha = (0..MATCH_BUCKETS).map(|b| self.alpha(b)).fold(0.0, f64::max);
+        best_k(available, alpha, costs) > 0
+            || (self.steps_without_draft + 1 >= self.explore_after && best_k(1, EXPLORE_ALPHA, costs) > 0)
+    }
+
+    /// Records a step decoded without asking for drafts.
+    pub fn skip(&mut self, costs: &CostModel) {
+        self.choose(0, 0, costs);
     }
 
     /// Records a step that verified `k` drafts of group `bucket` and accepted `accepted`.
@@ -105,6 +120,15 @@ impl KPolicy {
         self.accepted[bucket] = self.accepted[bucket] * ACCEPTANCE_DECAY + accepted as f64;
         self.rejected[bucket] = self.rejected[bucket] * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
     }
+}
+
+/// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`.
+fn best_k(available: usize, alpha: f64, costs: &CostModel) -> usize {
+    let expected: Vec<f64> = (0..=available).map(|k| expected_tokens(k, alpha)).collect();
+    let value = costs.relative_values(&expected);
+    (0..=available)
+        .max_by(|&a, &b| value[a].total_cmp(&value[b]))
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -169,6 +193,27 @@ mod tests {
         let c = costs(1.0, 0.5);
         let picks: Vec<usize> = (0..EXPLORE_EVERY).map(|_| policy.choose(4, 1, &c)).collect();
         assert_eq!(picks.iter().filter(|&&k| k == 1).count(), 1, "{picks:?}");
+    }
+
+    #[test]
+    fn no_tries_and_no_drafter_calls_where_no_draft_could_pay() {
+        let mut policy = KPolicy::default();
+        // A draft token costs a full pass: nothing is tried, however long the wait.
+        let dear = costs(1.0, 1.05);
+        assert!(!policy.worth_drafting(4, &dear));
+        for _ in 0..4 * EXPLORE_EVERY {
+            assert_eq!(policy.choose(4, 1, &dear), 0);
+        }
+        // Drafts nearly free: a session with no record yet (α = 0.5) asks for them.
+        let cheap = costs(1.0, 0.05);
+        assert!(policy.worth_drafting(4, &cheap));
+        // Its one-token matches fail, but the groups without a record still make asking
+        // worth it.
+        for _ in 0..30 {
+            policy.record(4, 0, 1);
+        }
+        assert!(policy.worth_drafting(4, &cheap));
+        assert!(!policy.worth_drafting(0, &cheap));
     }
 
     #[test]

@@ -464,6 +464,12 @@ impl Generator {
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
         // nearly free, so it proposes the most and K is chosen from what it found.
         let per_token = params.drafter == Drafter::Lm;
+        // No proposal could pay (a busy verifier, a session whose drafts fail): the drafter
+        // is not asked, which spares its round trip and both processes' CPU.
+        if !per_token && !params.fixed_k && !session.policy.worth_drafting(cap, &self.costs) {
+            session.policy.skip(&self.costs);
+            return (vec![], vec![], 0);
+        }
         let ask = if per_token && !params.fixed_k {
             session.policy.choose(cap, 0, &self.costs)
         } else {
