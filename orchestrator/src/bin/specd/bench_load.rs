@@ -7,8 +7,9 @@
 //! latency (p50/p99) per (verifiers, concurrency, mode), and the decode speed-up per
 //! workload, as tables ([`report`]) and a JSON file; with
 //! `--repetitions N` each pair of modes runs N times, alternating, pooled per row. With
-//! `--unbatched-baseline`, one verifier also runs with batching off (`--max-batch-tokens
-//! 1`: one job per forward pass), plainly, so batching's gain is measured directly.
+//! `--unbatched-baseline`, a second single-verifier stack runs with batching off
+//! (`--max-batch-tokens 1`: one job per forward pass), plainly, its runs alternating with the
+//! batched verifier's, so batching's gain is measured directly.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -194,6 +195,97 @@ async fn session(url: String, prompt: String, max_tokens: u32, speculate: bool) 
 struct Pids {
     orchestrator: u32,
     drafter: u32,
+}
+
+/// The services of one benchmark setup on loopback: `verifiers` verifier processes
+/// (batching on or off), a drafter and an orchestrator, all killed when dropped.
+struct Stack {
+    url: String,
+    pids: Pids,
+    _procs: Vec<Proc>,
+}
+
+impl Stack {
+    async fn start(
+        bin_dir: &Path,
+        model: &str,
+        verifiers: usize,
+        batched: bool,
+        args: &LoadBenchArgs,
+        prompts: &[Prompt],
+    ) -> anyhow::Result<Self> {
+        let mut procs = Vec::new();
+        let mut urls = Vec::new();
+        for _ in 0..verifiers {
+            let port = free_port()?;
+            let mut verifier_args = vec!["--model".to_string(), model.to_string()];
+            if !batched {
+                verifier_args.extend(["--max-batch-tokens".to_string(), "1".to_string()]);
+            }
+            procs.push(spawn(
+                bin_dir,
+                "verifier-svc",
+                port,
+                &verifier_args,
+                args.threads,
+            )?);
+            urls.push(format!("http://127.0.0.1:{port}"));
+        }
+        let drafter_port = free_port()?;
+        procs.push(spawn(
+            bin_dir,
+            "drafter-svc",
+            drafter_port,
+            &["--model".into(), model.to_string()],
+            1,
+        )?);
+        let drafter_url = format!("http://127.0.0.1:{drafter_port}");
+        for url in urls.iter().chain([&drafter_url]) {
+            wait_serving(url).await?;
+        }
+        let orchestrator_port = free_port()?;
+        let orchestrator_args = vec![
+            "--model".to_string(),
+            model.to_string(),
+            "--verifier".into(),
+            urls.join(","),
+            "--drafter".into(),
+            drafter_url,
+            "--no-auth".into(),
+            "--max-concurrent-requests".into(),
+            "1024".into(),
+            "--call-deadline-ms".into(),
+            args.call_deadline_ms.to_string(),
+        ];
+        procs.push(spawn(
+            bin_dir,
+            "orchestrator",
+            orchestrator_port,
+            &orchestrator_args,
+            1,
+        )?);
+        let url = format!("http://127.0.0.1:{orchestrator_port}");
+        wait_serving(&url).await?;
+        // Warm-up: page in weights on every replica.
+        let warm: Vec<_> = (0..verifiers * 2)
+            .map(|i| {
+                let prompt = prompts[i % prompts.len()].text.clone();
+                tokio::spawn(session(url.clone(), prompt, 4, true))
+            })
+            .collect();
+        for w in warm {
+            w.await??;
+        }
+        let pids = Pids {
+            orchestrator: procs.last().expect("the orchestrator").0.id(),
+            drafter: procs[verifiers].0.id(),
+        };
+        Ok(Self {
+            url,
+            pids,
+            _procs: procs,
+        })
+    }
 }
 
 /// A bench prompt and the workload it belongs to.
@@ -392,108 +484,48 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
             names.join(", ")
         );
     }
+    anyhow::ensure!(
+        !args.unbatched_baseline || args.verifiers.contains(&1),
+        "--unbatched-baseline is measured beside one batched verifier: include 1 in --verifiers"
+    );
     let mut rows = Vec::new();
-    // (verifier processes, batching on)
-    let mut setups: Vec<(usize, bool)> = args.verifiers.iter().map(|&v| (v, true)).collect();
-    if args.unbatched_baseline {
-        setups.push((1, false));
-    }
-    for (verifier_count, batched) in setups {
-        let mut procs = Vec::new();
-        let mut urls = Vec::new();
-        for _ in 0..verifier_count {
-            let port = free_port()?;
-            let mut verifier_args = vec!["--model".to_string(), model.clone()];
-            if !batched {
-                verifier_args.extend(["--max-batch-tokens".to_string(), "1".to_string()]);
-            }
-            procs.push(spawn(
-                &bin_dir,
-                "verifier-svc",
-                port,
-                &verifier_args,
-                args.threads,
-            )?);
-            urls.push(format!("http://127.0.0.1:{port}"));
-        }
-        let drafter_port = free_port()?;
-        procs.push(spawn(
-            &bin_dir,
-            "drafter-svc",
-            drafter_port,
-            &["--model".into(), model.clone()],
-            1,
-        )?);
-        let drafter_url = format!("http://127.0.0.1:{drafter_port}");
-        for url in urls.iter().chain([&drafter_url]) {
-            wait_serving(url).await?;
-        }
-        let orchestrator_port = free_port()?;
-        let orchestrator_args = vec![
-            "--model".to_string(),
-            model.clone(),
-            "--verifier".into(),
-            urls.join(","),
-            "--drafter".into(),
-            drafter_url,
-            "--no-auth".into(),
-            "--max-concurrent-requests".into(),
-            "1024".into(),
-            "--call-deadline-ms".into(),
-            args.call_deadline_ms.to_string(),
-        ];
-        procs.push(spawn(
-            &bin_dir,
-            "orchestrator",
-            orchestrator_port,
-            &orchestrator_args,
-            1,
-        )?);
-        let url = format!("http://127.0.0.1:{orchestrator_port}");
-        wait_serving(&url).await?;
-        // Warm-up: page in weights on every replica.
-        let warm: Vec<_> = (0..verifier_count * 2)
-            .map(|i| {
-                let prompt = prompts[i % prompts.len()].text.clone();
-                tokio::spawn(session(url.clone(), prompt, 4, true))
-            })
-            .collect();
-        for w in warm {
-            w.await??;
+    for &verifier_count in &args.verifiers {
+        let batched = Stack::start(&bin_dir, &model, verifier_count, true, &args, &prompts).await?;
+        // The baseline runs beside the batched verifier, its runs alternating with the
+        // others', so the machine's drift weighs on both alike.
+        let unbatched = if args.unbatched_baseline && verifier_count == 1 {
+            Some(Stack::start(&bin_dir, &model, 1, false, &args, &prompts).await?)
+        } else {
+            None
+        };
+        let mut modes: Vec<(&'static str, bool, &Stack)> =
+            vec![("plain", false, &batched), ("speculative", true, &batched)];
+        if let Some(stack) = &unbatched {
+            modes.push(("plain-unbatched", false, stack));
         }
         for &concurrency in &args.concurrency {
-            let modes: &[(&'static str, bool)] = if batched {
-                &[("plain", false), ("speculative", true)]
-            } else {
-                &[("plain-unbatched", false)]
-            };
-            let pids = Pids {
-                orchestrator: procs.last().expect("the orchestrator").0.id(),
-                drafter: procs[verifier_count].0.id(),
-            };
             let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
             for repetition in 0..args.repetitions.max(1) {
-                for (&(mode, speculate), tally) in modes.iter().zip(&mut tallies) {
+                for (&(mode, speculate, stack), tally) in modes.iter().zip(&mut tallies) {
                     eprintln!(
                         "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",
                         repetition + 1,
                         args.repetitions.max(1)
                     );
                     let load = Load {
-                        url: &url,
+                        url: &stack.url,
                         prompts: &prompts,
                         concurrency,
                         max_tokens: args.max_tokens,
                         speculate,
                     };
-                    tally.add(load.run(pids).await?);
+                    tally.add(load.run(stack.pids).await?);
                 }
             }
-            for (&(mode, _), tally) in modes.iter().zip(tallies) {
+            for (&(mode, _, _), tally) in modes.iter().zip(tallies) {
                 rows.push(tally.row(verifier_count, concurrency, mode));
             }
         }
-        drop(procs);
     }
     print_table(&rows);
     print_workload_speedups(&rows);
