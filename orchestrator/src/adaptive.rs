@@ -77,7 +77,7 @@ impl KPolicy {
         let best = best_k(available, self.alpha(bucket), costs);
         if best == 0 {
             self.steps_without_draft += 1;
-            if self.steps_without_draft >= self.explore_after && best_k(1, EXPLORE_ALPHA, costs) > 0 {
+            if self.steps_without_draft >= self.explore_after && tries_pay(costs) {
                 self.steps_without_draft = 0;
                 self.exploring = true;
                 return 1;
@@ -97,7 +97,7 @@ impl KPolicy {
         }
         let alpha = (0..MATCH_BUCKETS).map(|b| self.alpha(b)).fold(0.0, f64::max);
         best_k(available, alpha, costs) > 0
-            || (self.steps_without_draft + 1 >= self.explore_after && best_k(1, EXPLORE_ALPHA, costs) > 0)
+            || (self.steps_without_draft + 1 >= self.explore_after && tries_pay(costs))
     }
 
     /// Records a step decoded without asking for drafts.
@@ -120,6 +120,12 @@ impl KPolicy {
         self.accepted[bucket] = self.accepted[bucket] * ACCEPTANCE_DECAY + accepted as f64;
         self.rejected[bucket] = self.rejected[bucket] * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
     }
+}
+
+/// Whether a one-draft try would pay at the current costs if the draft were kept
+/// `EXPLORE_ALPHA` of the time.
+fn tries_pay(costs: &CostModel) -> bool {
+    best_k(1, EXPLORE_ALPHA, costs) > 0
 }
 
 /// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`.

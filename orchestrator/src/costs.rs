@@ -291,18 +291,21 @@ mod tests {
         (0..=8).max_by(|&a, &b| values[a].total_cmp(&values[b])).unwrap()
     }
 
-    fn set_load(model: &CostModel, sessions: u32) {
+    /// Moves one of the model's moving averages to `value`, as 60 passes reporting it would.
+    fn settle(model: &CostModel, average: fn(&mut Costs) -> &mut f64, value: u32) {
         for _ in 0..60 {
             let mut c = model.lock();
-            c.sessions = ema(c.sessions, f64::from(sessions));
+            let field = average(&mut c);
+            *field = ema(*field, f64::from(value));
         }
     }
 
+    fn set_load(model: &CostModel, sessions: u32) {
+        settle(model, |c| &mut c.sessions, sessions);
+    }
+
     fn set_others_prompt_tokens(model: &CostModel, tokens: u32) {
-        for _ in 0..60 {
-            let mut c = model.lock();
-            c.others_prompt_tokens = ema(c.others_prompt_tokens, f64::from(tokens));
-        }
+        settle(model, |c| &mut c.others_prompt_tokens, tokens);
     }
 
     #[test]

@@ -458,7 +458,7 @@ impl Generator {
     ) -> (Vec<u32>, Vec<SparseDist>, usize) {
         let cap = cap.min(params.max_k);
         let Some(drafter) = self.drafter.as_ref().filter(|_| params.speculate && cap > 0) else {
-            session.policy.choose(0, 0, &self.costs);
+            session.policy.skip(&self.costs);
             return (vec![], vec![], 0);
         };
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
