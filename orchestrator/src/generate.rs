@@ -59,6 +59,9 @@ struct Totals {
     verify_seconds: f64,
     retries: u32,
     failovers: u32,
+    batch_size_sum: u64,
+    queue_seconds: f64,
+    forward_seconds: f64,
 }
 
 impl Generator {
@@ -311,6 +314,9 @@ impl Generator {
             });
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
+            totals.batch_size_sum += u64::from(response.batch_size.max(1));
+            totals.queue_seconds += response.queue_seconds;
+            totals.forward_seconds += response.forward_seconds;
             totals.bytes_received += bytes_received;
             if response.positions.len() != draft.len() + 1 {
                 return Err(OrchestratorError::Internal(format!(
@@ -428,6 +434,9 @@ impl Generator {
             time_to_first_token_seconds: ttft,
             retries: totals.retries,
             failovers: totals.failovers,
+            mean_batch_size: totals.batch_size_sum as f64 / f64::from(totals.verifier_calls.max(1)),
+            verifier_queue_seconds: totals.queue_seconds,
+            verifier_forward_seconds: totals.forward_seconds,
             mean_k: if totals.drafted_steps == 0 {
                 0.0
             } else {

@@ -15,6 +15,14 @@ fn generator(context_length: usize) -> (tempfile::TempDir, Arc<Generator>) {
 }
 
 fn generator_with(context_length: usize, settings: GeneratorSettings) -> (tempfile::TempDir, Arc<Generator>) {
+    generator_on(context_length, settings, EngineOptions::default())
+}
+
+fn generator_on(
+    context_length: usize,
+    settings: GeneratorSettings,
+    options: EngineOptions,
+) -> (tempfile::TempDir, Arc<Generator>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     write_tiny_llama(
@@ -25,7 +33,7 @@ fn generator_with(context_length: usize, settings: GeneratorSettings) -> (tempfi
         },
     )
     .unwrap();
-    let loaded: LoadedModel = specd_model::load(&path, EngineOptions::default()).unwrap();
+    let loaded: LoadedModel = specd_model::load(&path, options).unwrap();
     (dir, Arc::new(in_process(loaded, settings)))
 }
 
@@ -159,4 +167,39 @@ async fn requests_over_the_concurrency_limit_are_refused_at_once() {
     while rx.recv().await.is_some() {}
     holder.await.unwrap().unwrap();
     generator.generate(&prompt("the", 4), None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_report_the_verifier_passes_a_request_shared() {
+    // Each pass waits up to 100 ms for company, so two identical requests (same steps)
+    // share every pass; a lone request has every pass to itself.
+    let options = EngineOptions {
+        batch_wait: std::time::Duration::from_millis(100),
+        ..EngineOptions::default()
+    };
+    let (_dir, generator) = generator_on(256, GeneratorSettings::default(), options);
+    let request = pb::GenerateRequest {
+        speculation: Some(pb::SpeculationOptions {
+            disable: true,
+            ..Default::default()
+        }),
+        ..prompt("the in the", 6)
+    };
+    let alone = generator.generate(&request, None).await.unwrap().stats.unwrap();
+    assert_eq!(alone.mean_batch_size, 1.0);
+    assert!(alone.verifier_forward_seconds > 0.0);
+    assert!(alone.verifier_forward_seconds <= alone.verify_seconds);
+    // Each of its steps waited the 100 ms for company that never came.
+    let waited = alone.verifier_queue_seconds / f64::from(alone.verifier_calls);
+    assert!(waited >= 0.09, "{waited}");
+    let (a, b) = tokio::join!(
+        generator.generate(&request, None),
+        generator.generate(&request, None)
+    );
+    let (a, b) = (a.unwrap().stats.unwrap(), b.unwrap().stats.unwrap());
+    assert_eq!(a.verifier_calls, b.verifier_calls);
+    for stats in [a, b] {
+        assert!(stats.mean_batch_size > 1.5, "{stats:?}");
+        assert!(stats.mean_batch_size <= 2.0, "{stats:?}");
+    }
 }
