@@ -2,7 +2,7 @@
 //! services. For each verifier count it starts that many `verifier-svc` processes, one
 //! `drafter-svc` and an `orchestrator` on loopback, then keeps C streaming sessions in flight
 //! (closed loop) until every prompt of the `specd bench spec` workloads has run at least
-//! once (max(C, prompts) sessions), plainly and speculatively. Reports aggregate tok/s, each
+//! once and each slot has run `--rounds` sessions (max(C × rounds, prompts)), plainly and speculatively. Reports aggregate tok/s, each
 //! session's decode rate (after its first token), time to first token and inter-token
 //! latency (p50/p99) per (verifiers, concurrency, mode), and the decode speed-up per
 //! workload, as tables ([`report`]) and a JSON file; with
@@ -65,6 +65,11 @@ pub struct LoadBenchArgs {
     /// whole table.
     #[arg(long, default_value_t = 1)]
     repetitions: usize,
+    /// Sessions each concurrent slot runs, one after another: above 1 a run weighs the
+    /// steady state more than its start (every session waiting for its prompt) and its tail
+    /// (few sessions left).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    rounds: u32,
 }
 
 /// A child process killed when dropped.
@@ -296,11 +301,12 @@ struct Prompt {
 }
 
 /// One run: `concurrency` sessions in flight against the orchestrator at `url`, each
-/// starting the next prompt when it ends, until max(concurrency, prompts) have run.
+/// starting the next prompt when it ends, until max(concurrency × rounds, prompts) have run.
 struct Load<'a> {
     url: &'a str,
     prompts: &'a [Prompt],
     concurrency: usize,
+    rounds: usize,
     max_tokens: u32,
     speculate: bool,
 }
@@ -309,7 +315,7 @@ impl Load<'_> {
     async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
         let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
         let started = Instant::now();
-        let sessions = self.concurrency.max(self.prompts.len());
+        let sessions = (self.concurrency * self.rounds).max(self.prompts.len());
         let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let workers: Vec<_> = (0..self.concurrency)
             .map(|_| {
@@ -349,6 +355,8 @@ impl Load<'_> {
                     tally.k_sum += s.stats.mean_k;
                     tally.proposed += u64::from(s.stats.proposed);
                     tally.accepted += u64::from(s.stats.accepted);
+                    tally.batch_size_sum += s.stats.mean_batch_size * f64::from(s.stats.verifier_calls);
+                    tally.verifier_queue_seconds += s.stats.verifier_queue_seconds;
                     tally.sessions += 1;
                 }
                 Err(error) => {
@@ -383,6 +391,8 @@ struct Tally {
     accepted: u64,
     orchestrator_cpu: f64,
     drafter_cpu: f64,
+    batch_size_sum: f64,
+    verifier_queue_seconds: f64,
 }
 
 impl Tally {
@@ -406,6 +416,8 @@ impl Tally {
         self.accepted += run.accepted;
         self.orchestrator_cpu += run.orchestrator_cpu;
         self.drafter_cpu += run.drafter_cpu;
+        self.batch_size_sum += run.batch_size_sum;
+        self.verifier_queue_seconds += run.verifier_queue_seconds;
     }
 
     fn row(mut self, verifiers: usize, concurrency: usize, mode: &'static str) -> Row {
@@ -428,6 +440,8 @@ impl Tally {
             drafts_per_step: per(self.proposed as f64, self.steps),
             acceptance: per(self.accepted as f64, self.proposed),
             tokens_per_step: per(self.tokens as f64, self.steps),
+            sequences_per_pass: per(self.batch_size_sum, self.steps),
+            verifier_queue_ms_per_step: per(self.verifier_queue_seconds * 1e3, self.steps),
             verifiers,
             concurrency,
             mode,
@@ -516,6 +530,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
                         url: &stack.url,
                         prompts: &prompts,
                         concurrency,
+                        rounds: args.rounds as usize,
                         max_tokens: args.max_tokens,
                         speculate,
                     };

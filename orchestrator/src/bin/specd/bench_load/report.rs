@@ -30,13 +30,17 @@ pub struct Row {
     pub drafts_per_step: f64,
     pub acceptance: f64,
     pub tokens_per_step: f64,
+    /// Mean sequences in the verifier passes that served the steps, and the time a step
+    /// waited in the verifier's queue before its pass.
+    pub sequences_per_pass: f64,
+    pub verifier_queue_ms_per_step: f64,
     /// Per workload, as `session_decode_tokens_per_second`.
     pub workload_decode_tokens_per_second: std::collections::BTreeMap<String, f64>,
 }
 
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>7} {:>8} {:>9} {:>9} {:>7}",
+        "{:>9} {:>5} {:<12} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>9} {:>7} {:>8} {:>9} {:>9} {:>7} {:>8} {:>8}",
         "verifiers",
         "conc",
         "mode",
@@ -55,12 +59,14 @@ pub fn print_table(rows: &[Row]) {
         "tok/step",
         "orch ms/st",
         "drft ms/c",
-        "B/step"
+        "B/step",
+        "seq/pass",
+        "queue ms"
     );
     for row in rows {
         let plain = plain_row(rows, row);
         println!(
-            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>9.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.2} {:>6.0}% {:>8.2} {:>9.3} {:>9.3} {:>7.0}",
+            "{:>9} {:>5} {:<12} {:>8.1} {:>7.2}x {:>9.1} {:>7.2}x {:>7.0}ms {:>7.0}ms {:>6.1}ms {:>6.1}ms {:>6} {:>6.2} {:>9.2} {:>6.0}% {:>8.2} {:>9.3} {:>9.3} {:>7.0} {:>8.1} {:>8.2}",
             row.verifiers,
             row.concurrency,
             row.mode,
@@ -80,7 +86,9 @@ pub fn print_table(rows: &[Row]) {
             row.tokens_per_step,
             row.orchestrator_cpu_ms_per_step,
             row.drafter_cpu_ms_per_call,
-            row.bytes_per_step
+            row.bytes_per_step,
+            row.sequences_per_pass,
+            row.verifier_queue_ms_per_step
         );
     }
 }
