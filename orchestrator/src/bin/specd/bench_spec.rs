@@ -222,10 +222,25 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
+    let pass_curve: Vec<f64> = (1..=9).map(pass_seconds).collect();
     let json: Vec<_> = all
         .iter()
         .zip(&caps)
-        .map(|((name, results), cap)| serde_json::json!({ "workload": name, "results": results, "oracle_k_cap": cap }))
+        .zip(&traces)
+        .map(|(((name, results), cap), traces)| {
+            // The plain outputs, so drafting strategies can be replayed offline.
+            let traces: Vec<_> = traces
+                .iter()
+                .map(|t| serde_json::json!({ "prompt_len": t.prompt_len, "tokens": t.context }))
+                .collect();
+            serde_json::json!({
+                "workload": name,
+                "results": results,
+                "oracle_k_cap": cap,
+                "pass_seconds_1_to_9": pass_curve,
+                "plain_traces": traces,
+            })
+        })
         .collect();
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}", args.json_out.display());
