@@ -233,6 +233,11 @@ fn response_json(r: &pb::GenerateResponse) -> serde_json::Value {
             "bytes_received": s.bytes_received,
             "draft_seconds": s.draft_seconds,
             "verify_seconds": s.verify_seconds,
+            "mean_batch_size": s.mean_batch_size,
+            "verifier_queue_seconds": s.verifier_queue_seconds,
+            "verifier_forward_seconds": s.verifier_forward_seconds,
+            "retries": s.retries,
+            "failovers": s.failovers,
         },
     })
 }
