@@ -2,14 +2,14 @@
 //! services. For each verifier count it starts that many `verifier-svc` processes, one
 //! `drafter-svc` and an `orchestrator` on loopback, then keeps C streaming sessions in flight
 //! (closed loop) until every prompt of the `specd bench spec` workloads has run at least
-//! once and each slot has run `--rounds` sessions (max(C × rounds, prompts)), plainly and speculatively. Reports aggregate tok/s, each
-//! session's decode rate (after its first token), time to first token and inter-token
-//! latency (p50/p99) per (verifiers, concurrency, mode), and the decode speed-up per
-//! workload, as tables ([`report`]) and a JSON file; with
-//! `--repetitions N` each pair of modes runs N times, alternating, pooled per row. With
-//! `--unbatched-baseline`, a second single-verifier stack runs with batching off
-//! (`--max-batch-tokens 1`: one job per forward pass), plainly, its runs alternating with the
-//! batched verifier's, so batching's gain is measured directly.
+//! once and each slot has run `--rounds` sessions (max(C × rounds, prompts)), plainly and
+//! speculatively. Reports aggregate tok/s, each session's decode rate (after its first
+//! token), time to first token and inter-token latency (p50/p99) per (verifiers,
+//! concurrency, mode), and the decode speed-up per workload, as tables ([`report`]) and a
+//! JSON file; with `--repetitions N` the modes run N times, alternating (in reverse order on
+//! odd repetitions), pooled per row. With `--unbatched-baseline`, a second single-verifier
+//! stack runs with batching off (`--max-batch-tokens 1`: one job per forward pass), plainly,
+//! its runs alternating with the batched verifier's, so batching's gain is measured directly.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -60,9 +60,9 @@ pub struct LoadBenchArgs {
     /// pass), the baseline of the batching gain.
     #[arg(long)]
     unbatched_baseline: bool,
-    /// Runs of each (concurrency, mode), plain and speculative alternating, pooled into one
-    /// row each: the machine's speed drifts less between neighbouring runs than across a
-    /// whole table.
+    /// Runs of each (concurrency, mode), the modes alternating (reversed on odd
+    /// repetitions), pooled into one row each: the machine's speed drifts less between
+    /// neighbouring runs than across a whole table.
     #[arg(long, default_value_t = 1)]
     repetitions: usize,
     /// Sessions each concurrent slot runs, one after another: above 1 a run weighs the
@@ -520,7 +520,15 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         for &concurrency in &args.concurrency {
             let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
             for repetition in 0..args.repetitions.max(1) {
-                for (&(mode, speculate, stack), tally) in modes.iter().zip(&mut tallies) {
+                // Odd repetitions run the modes in reverse (plain, speculative, speculative,
+                // plain, …), so drift over a run, or an order effect such as following the
+                // other mode, weighs on every mode alike.
+                let mut order: Vec<usize> = (0..modes.len()).collect();
+                if repetition % 2 == 1 {
+                    order.reverse();
+                }
+                for i in order {
+                    let ((mode, speculate, stack), tally) = (modes[i], &mut tallies[i]);
                     eprintln!(
                         "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",
                         repetition + 1,
