@@ -31,7 +31,8 @@ pub struct SpecBenchArgs {
     #[arg(long, default_value_t = 8)]
     max_k: u32,
     /// Times each prompt is run in every mode, the modes alternating (plain, adaptive, …,
-    /// plain, …), so a drifting machine weighs on every mode alike; figures are totals.
+    /// then in reverse, …), so a drifting machine weighs on every mode alike; figures are
+    /// totals.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     repetitions: u32,
     /// Also run fixed-K speculation at these K (comma separated), beside adaptive K.
@@ -156,8 +157,17 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         let mut workload_traces = Vec::new();
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
-            for (mode, result) in (0..args.repetitions).flat_map(|_| modes.iter().zip(0..)) {
-                let result = &mut results[result];
+            // Odd repetitions run the modes in reverse, so drift and order effects weigh on
+            // every mode alike; the first runs plain first, the reference for the others.
+            let order = (0..args.repetitions as usize).flat_map(|repetition| {
+                let mut order: Vec<usize> = (0..modes.len()).collect();
+                if repetition % 2 == 1 {
+                    order.reverse();
+                }
+                order
+            });
+            for index in order {
+                let (mode, result) = (&modes[index], &mut results[index]);
                 run += 1;
                 eprintln!(
                     "bench spec [{run}/{runs}]: {} prompt {} {mode}",
