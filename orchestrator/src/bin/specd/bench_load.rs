@@ -21,7 +21,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 mod report;
 
-use crate::bench_spec::{DEFAULT_WORKLOADS, Workloads};
+use crate::bench_spec::{DEFAULT_WORKLOADS, Workloads, mode_order};
 
 use report::{Row, print_table, print_workload_speedups};
 
@@ -520,14 +520,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         for &concurrency in &args.concurrency {
             let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
             for repetition in 0..args.repetitions.max(1) {
-                // Odd repetitions run the modes in reverse (plain, speculative, speculative,
-                // plain, …), so drift over a run, or an order effect such as following the
-                // other mode, weighs on every mode alike.
-                let mut order: Vec<usize> = (0..modes.len()).collect();
-                if repetition % 2 == 1 {
-                    order.reverse();
-                }
-                for i in order {
+                for i in mode_order(modes.len(), repetition) {
                     let ((mode, speculate, stack), tally) = (modes[i], &mut tallies[i]);
                     eprintln!(
                         "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",

@@ -59,6 +59,17 @@ pub(crate) struct Workload {
     pub prompts: Vec<String>,
 }
 
+/// The order in which repetition `repetition` runs `modes` modes (indices): as listed, and
+/// in reverse on odd repetitions (plain, speculative, speculative, plain, …), so drift over a
+/// run, or an order effect such as following another mode, weighs on every mode alike.
+pub(crate) fn mode_order(modes: usize, repetition: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..modes).collect();
+    if repetition % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
 /// Totals of one mode over one workload's prompts.
 #[derive(Debug, Default, Clone, Serialize)]
 struct ModeResult {
@@ -157,15 +168,9 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         let mut workload_traces = Vec::new();
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
-            // Odd repetitions run the modes in reverse, so drift and order effects weigh on
-            // every mode alike; the first runs plain first, the reference for the others.
-            let order = (0..args.repetitions as usize).flat_map(|repetition| {
-                let mut order: Vec<usize> = (0..modes.len()).collect();
-                if repetition % 2 == 1 {
-                    order.reverse();
-                }
-                order
-            });
+            // The first repetition runs plain first: the reference for the others.
+            let order =
+                (0..args.repetitions as usize).flat_map(|repetition| mode_order(modes.len(), repetition));
             for index in order {
                 let (mode, result) = (&modes[index], &mut results[index]);
                 run += 1;
@@ -320,5 +325,18 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
                 },
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mode_order;
+
+    #[test]
+    fn odd_repetitions_run_the_modes_in_reverse() {
+        assert_eq!(mode_order(3, 0), vec![0, 1, 2]);
+        assert_eq!(mode_order(3, 1), vec![2, 1, 0]);
+        assert_eq!(mode_order(3, 2), vec![0, 1, 2]);
+        assert!(mode_order(0, 1).is_empty());
     }
 }
