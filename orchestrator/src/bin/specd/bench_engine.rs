@@ -29,6 +29,9 @@ pub struct EngineBenchArgs {
     /// Also print where a forward pass's time goes, by phase.
     #[arg(long)]
     profile: bool,
+    /// Tokens scored in one pass for the profile's second column.
+    #[arg(long, default_value_t = 8)]
+    profile_rows: usize,
     /// Context already cached before the scored tokens of the pass-cost curve and the
     /// profile (speculative steps in real workloads run at a few hundred).
     #[arg(long, default_value_t = 64)]
@@ -221,7 +224,11 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         None => None,
     };
     let profile = if args.profile {
-        Some(crate::bench_profile::measure(&loaded.engine, args.depth.max(1))?)
+        Some(crate::bench_profile::measure(
+            &loaded.engine,
+            args.depth.max(1),
+            args.profile_rows,
+        )?)
     } else {
         None
     };
