@@ -1,5 +1,5 @@
 //! Causal attention over host KV caches: dot products with exactly the keys a query row may
-//! see, softmax, weighted sum of values. Over tiled keys (AVX-512, see [`tiles`]) the rows
+//! see, softmax, weighted sum of values. Over tiled keys (AVX-512 or AVX2, see [`tiles`]) the rows
 //! reading one KV head share its loads; otherwise each (query row, head) runs alone. Each
 //! row's result is computed by the same code whatever else is in the pass, so verifying K
 //! drafts in one pass gives bit-identical results to decoding them one by one, alone or
@@ -52,11 +52,12 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
     if sequences.iter().any(|s| s.key_layout == KeyLayout::Tiles) {
         assert!(
             sequences.iter().all(|s| s.key_layout == KeyLayout::Tiles)
-                && crate::kernels::Kernel::detect().has_avx512(),
-            "tiled keys need the AVX-512 attention, for every sequence of the pass"
+                && crate::kernels::Kernel::detect() != crate::kernels::Kernel::Portable,
+            "tiled keys need the AVX-512 or AVX2 attention, for every sequence of the pass"
         );
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU has AVX-512 (detected above); sizes are checked above.
+        // SAFETY: the CPU has AVX-512, or AVX2 and FMA (detected above); sizes are checked
+        // above.
         unsafe {
             tiles::attend(shape, queries, sequences, &first_row, out)
         };

@@ -3,7 +3,7 @@
 //! caller can reuse the longest common prefix of a new context.
 //!
 //! On the CPU keys and values are plain f32 buffers read directly by [`crate::attention`]:
-//! values `[position][kv_head][head_dim]`, keys the same or, for the AVX-512 attention,
+//! values `[position][kv_head][head_dim]`, keys the same or, for the AVX-512 and AVX2 attention,
 //! in tiles of [`KEY_TILE`] positions `[tile][kv_head][head_dim][position in tile]` (see
 //! [`KeyLayout`]); on other devices they are candle tensors `[kv_head, capacity, head_dim]`
 //! grown by doubling.
@@ -24,7 +24,7 @@ pub const KEY_TILE: usize = 16;
 pub enum KeyLayout {
     /// `[position][kv_head][head_dim]`, like the values.
     Positions,
-    /// `[tile][kv_head][head_dim][KEY_TILE]`: one 16-float load holds one dimension of 16
+    /// `[tile][kv_head][head_dim][KEY_TILE]`: one 16-float load (two with AVX2) holds one dimension of 16
     /// positions, so scores for 16 positions are plain multiply-adds, with no horizontal
     /// sums. Positions past the cached length in the last tile hold stale values and are
     /// never read as scores (attention masks them).
@@ -34,8 +34,8 @@ pub enum KeyLayout {
 impl KeyLayout {
     /// The layout the detected attention kernel reads best.
     pub fn for_this_cpu(head_dim: usize) -> Self {
-        let avx512 = crate::kernels::Kernel::detect().has_avx512();
-        if avx512 && matches!(head_dim, 64 | 128) {
+        let simd = crate::kernels::Kernel::detect() != crate::kernels::Kernel::Portable;
+        if simd && matches!(head_dim, 64 | 128) {
             KeyLayout::Tiles
         } else {
             KeyLayout::Positions

@@ -1,4 +1,5 @@
-//! Attention over tiled keys (see [`KeyLayout::Tiles`]) with AVX-512: every query row that
+//! Attention over tiled keys (see [`KeyLayout::Tiles`]) with AVX-512 (or AVX2, [`avx2`]):
+//! every query row that
 //! reads one KV head — the heads of its group (grouped-query attention) and, when verifying
 //! drafts, every scored position — shares each load of the keys and values. Scores for 16
 //! positions are 16-lane multiply-adds against one tile row per dimension (no horizontal
@@ -13,6 +14,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
+
+mod avx2;
 
 use super::{AttentionShape, EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
 use crate::kernels::SendPtr;
@@ -38,7 +41,8 @@ struct Item {
 /// are tiled.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F; the caller checks the sizes of `queries` and `out`.
+/// The CPU must have AVX-512 F, or AVX2 and FMA; the caller checks the sizes of `queries`
+/// and `out`.
 pub unsafe fn attend(
     shape: &AttentionShape,
     queries: &[f32],
@@ -80,6 +84,7 @@ pub unsafe fn attend(
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
     let scale = 1.0 / (hd as f32).sqrt();
+    let avx512 = crate::kernels::Kernel::detect().has_avx512();
     thread_local! {
         static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
     }
@@ -97,9 +102,16 @@ pub unsafe fn attend(
                         visible: seq.start + i + 1,
                     }
                 }));
-                // SAFETY: the CPU has AVX-512 F (the caller's contract); bounds checked above
-                // and in `item_attend`; each (row, head) output slice belongs to one item.
-                unsafe { item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr) };
+                // SAFETY: the CPU has AVX-512 F, or else AVX2 and FMA (the caller's contract);
+                // bounds checked above and in `item_attend`; each (row, head) output slice
+                // belongs to one item.
+                unsafe {
+                    if avx512 {
+                        item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr)
+                    } else {
+                        avx2::item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr)
+                    }
+                };
             }
             scratch.rows = rows;
         });
@@ -393,8 +405,8 @@ mod tests {
 
     #[test]
     fn tiled_attention_matches_the_per_row_one_and_is_batch_invariant() {
-        if !Kernel::detect().has_avx512() {
-            eprintln!("no AVX-512 here: tiled keys are never used on this CPU");
+        if Kernel::detect() == Kernel::Portable {
+            eprintln!("no AVX2 here: tiled keys are never used on this CPU");
             return;
         }
         for hd in [64usize, 128] {
