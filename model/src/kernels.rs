@@ -374,31 +374,28 @@ impl QuantMatrix {
                 "grouped weights need a SIMD kernel"
             );
             let group = j0 / COL_TILE;
-            let mut t = 0;
-            while t < count {
-                let two = count - t >= 2;
-                // SAFETY: grouped weights exist only when the CPU has AVX2, FMA and F16C (see
-                // `from_qtensor_for`); the kernel checks every bound it uses.
-                unsafe {
-                    match (self.family, two) {
-                        (Family::Bytes, true) => {
-                            avx2_groups::q8_group::<2, 1>(self, group, x, r0 + t, t, out)
-                        }
-                        (Family::Bytes, false) => {
-                            avx2_groups::q8_group::<1, 1>(self, group, x, r0 + t, t, out)
-                        }
-                        (Family::Bytes16, true) => {
-                            avx2_groups::q8_group::<2, 2>(self, group, x, r0 + t, t, out)
-                        }
-                        (Family::Bytes16, false) => {
-                            avx2_groups::q8_group::<1, 2>(self, group, x, r0 + t, t, out)
-                        }
-                        (Family::Nibbles, _) => {
-                            unreachable!("4-bit weights take the lane layout on AVX2")
+            macro_rules! rows {
+                ($halves:literal) => {
+                    // SAFETY: grouped weights exist only when the CPU has AVX2, FMA and F16C
+                    // (see `from_qtensor_for`); the kernel checks every bound it uses.
+                    unsafe {
+                        match count {
+                            8 => avx2_groups::q8_group::<8, $halves>(self, group, x, r0, 0, out),
+                            7 => avx2_groups::q8_group::<7, $halves>(self, group, x, r0, 0, out),
+                            6 => avx2_groups::q8_group::<6, $halves>(self, group, x, r0, 0, out),
+                            5 => avx2_groups::q8_group::<5, $halves>(self, group, x, r0, 0, out),
+                            4 => avx2_groups::q8_group::<4, $halves>(self, group, x, r0, 0, out),
+                            3 => avx2_groups::q8_group::<3, $halves>(self, group, x, r0, 0, out),
+                            2 => avx2_groups::q8_group::<2, $halves>(self, group, x, r0, 0, out),
+                            _ => avx2_groups::q8_group::<1, $halves>(self, group, x, r0, 0, out),
                         }
                     }
-                }
-                t += if two { 2 } else { 1 };
+                };
+            }
+            match self.family {
+                Family::Bytes => rows!(1),
+                Family::Bytes16 => rows!(2),
+                Family::Nibbles => unreachable!("4-bit weights take the lane layout on AVX2"),
             }
             return;
         }

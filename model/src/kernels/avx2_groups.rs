@@ -1,9 +1,9 @@
 //! AVX2 kernels for 8-bit weights over the grouped layout (see `Layout::Groups`; 4-bit
 //! weights use the lane layout, `avx2_lanes`): one sequential, prefetched weight stream per
 //! group of 4 weight rows, one 32-value block per 256-bit register (`maddubs` products),
-//! four independent accumulators per activation row. AVX2 has 16 registers, so a call takes
-//! at most 2 activation rows. Each output element's arithmetic is the same whatever the
-//! number of rows, so results are batch-invariant. Also the AVX2 activation quantiser.
+//! the eight blocks of a record folded into one register of lanes per activation row (see
+//! [`q8_group`]). Each output element's arithmetic is the same whatever the number of rows,
+//! so results are batch-invariant. Also the AVX2 activation quantiser.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -11,14 +11,6 @@ use std::arch::x86_64::*;
 
 use super::groups::{check, pair4, prefetch};
 use super::{BLOCK, COL_TILE, QuantMatrix, QuantizedRows, ROW_TILE};
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-}
 
 /// Block `b` of activation row `r` (zero when `present` is false: a lone last block's pair).
 #[inline]
@@ -31,19 +23,29 @@ unsafe fn load_x(x: &QuantizedRows, r: usize, b: usize, present: bool) -> __m256
     }
 }
 
-/// Σ over 32 products of unsigned `w` and signed `x` bytes, as 8 i32 lanes (lane i: values
-/// 4i..4i + 4).
+/// Eight slots' dot products (8 i32 lanes each, lane l over values 4l..4l + 4) folded by
+/// `hadd` into their sums over values 0..16 and 16..32, each as one lane per slot
+/// `[s0, …, s7]`.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn dot(w: __m256i, x: __m256i) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(
-        _mm256_maddubs_epi16(w, x),
-        _mm256_set1_epi16(1),
-    ))
+fn fold_slots(m: &[__m256i; 8]) -> (__m256i, __m256i) {
+    let low = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+    let high = _mm256_hadd_epi32(_mm256_hadd_epi32(m[4], m[5]), _mm256_hadd_epi32(m[6], m[7]));
+    (
+        _mm256_permute2x128_si256::<0x20>(low, high),
+        _mm256_permute2x128_si256::<0x31>(low, high),
+    )
 }
 
-/// Signed 8-bit weights × int8 activations (`maddubs` takes |w| and x with w's sign), with
-/// one scale per block (`HALVES` = 1, Q8_0) or per 16 values (`HALVES` = 2, Q6_K).
+/// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0) or
+/// per 16 values (`HALVES` = 2, Q6_K), for weight rows `4 · group .. 4 · group + 4` and
+/// activation rows `r0..r0 + R`, into `out[c * ROW_TILE + t0 + t]`.
+///
+/// A record's 8 blocks ("slots" s = 2 · weight row + block) are read once per call and
+/// their magnitudes kept for all R rows. Per row, each slot's 32 products are `maddubs`
+/// (|w| against x with w's sign) widened by `madd`, and `hadd` folds the eight slots into
+/// one lane each, so the int → float conversion and the scaling run once per record and row
+/// instead of once per block, weight row and activation row.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` must be grouped and of an 8-bit family with
@@ -60,76 +62,72 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     check(w, group, x, r0, R, 2 * BLOCK);
     assert!(t0 + R <= ROW_TILE && w.halves() == HALVES);
     let (nb, pairs) = (x.blocks, x.blocks.div_ceil(2));
-    let mut acc = [[_mm256_setzero_ps(); R]; COL_TILE];
+    let mut acc = [_mm256_setzero_ps(); R];
     let meta_per_record = 2 * HALVES * COL_TILE;
+    let ones = _mm256_set1_epi16(1);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
         prefetch(w, record, 2 * BLOCK);
-        // Scales `[row][block][half]`, 8 floats per vector.
-        let mut scales = [_mm256_setzero_ps(); HALVES];
-        for (i, s) in scales.iter_mut().enumerate() {
-            // SAFETY: the record's scales are in bounds (checked above).
-            *s = unsafe {
-                _mm256_cvtph_ps(_mm_loadu_si128(
-                    w.scales.as_ptr().add(record * meta_per_record + 8 * i) as *const __m128i,
-                ))
-            };
-        }
-        let mut ds = [[_mm256_setzero_ps(); HALVES]; R];
-        let mut xs = [[_mm256_setzero_si256(); 2]; R];
+        // Per-half weight scales, one lane per slot: f16 `[row][block]` (Q8_0) is already
+        // slot order; Q6_K's `[row][block][half]` has the halves of a slot side by side.
+        // SAFETY: the record's scales are in bounds (checked above).
+        let scales: [__m256; HALVES] = unsafe {
+            let at = w.scales.as_ptr().add(record * meta_per_record);
+            let first = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+            if HALVES == 1 {
+                [first; HALVES]
+            } else {
+                let second = _mm256_cvtph_ps(_mm_loadu_si128(at.add(8) as *const __m128i));
+                let order =
+                    |v: __m256| _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)));
+                let mut halves = [first; HALVES];
+                halves[0] = order(_mm256_shuffle_ps::<0b10_00_10_00>(first, second));
+                halves[HALVES - 1] = order(_mm256_shuffle_ps::<0b11_01_11_01>(first, second));
+                halves
+            }
+        };
+        // SAFETY: the record's 256 bytes of quants (checked above).
+        let raw: [__m256i; 8] = std::array::from_fn(|s| unsafe {
+            _mm256_loadu_si256(
+                w.quants.as_ptr().add(record * COL_TILE * 2 * BLOCK + s * BLOCK) as *const __m256i
+            )
+        });
+        let magnitude: [__m256i; 8] = std::array::from_fn(|s| _mm256_sign_epi8(raw[s], raw[s]));
         for t in 0..R {
             let r = r0 + t;
             // SAFETY: row r's blocks b (and b + 1 when two) are in bounds (checked above).
-            unsafe {
-                let dx = x.scales.as_ptr().add(r * nb + b);
-                let pattern = if HALVES == 1 {
-                    pair4(dx, two)
-                } else {
-                    // [b, b, b+1, b+1] twice: lanes [row][block][half] of two rows.
-                    let (d0, d1) = (*dx, if two { *dx.add(1) } else { 0.0 });
-                    _mm256_setr_ps(d0, d0, d1, d1, d0, d0, d1, d1)
-                };
-                for h in 0..HALVES {
-                    ds[t][h] = _mm256_mul_ps(scales[h], pattern);
-                }
-                xs[t] = [load_x(x, r, b, true), load_x(x, r, b + 1, two)];
-            }
-        }
-        for c in 0..COL_TILE {
-            for block in 0..2 {
-                // SAFETY: as above; 32 bytes per block of a weight row.
-                let raw = unsafe {
-                    _mm256_loadu_si256(
-                        w.quants
-                            .as_ptr()
-                            .add((record * COL_TILE + c) * 2 * BLOCK + block * BLOCK)
-                            as *const __m256i,
-                    )
-                };
-                let magnitude = _mm256_sign_epi8(raw, raw);
-                // Lane index in the scale vectors, and which vector.
-                let (vector, lane) = if HALVES == 1 {
-                    (0, 2 * c + block)
-                } else {
-                    (c / 2, (c % 2) * 4 + 2 * block)
-                };
-                let index = if HALVES == 1 {
-                    _mm256_set1_epi32(lane as i32)
-                } else {
-                    let (a, b1) = (lane as i32, lane as i32 + 1);
-                    _mm256_setr_epi32(a, a, a, a, b1, b1, b1, b1)
-                };
-                for t in 0..R {
-                    let scale = _mm256_permutevar8x32_ps(ds[t][vector], index);
-                    let product = dot(magnitude, _mm256_sign_epi8(xs[t][block], raw));
-                    acc[c][t] = _mm256_fmadd_ps(product, scale, acc[c][t]);
-                }
+            let (xs, dx) = unsafe {
+                (
+                    [load_x(x, r, b, true), load_x(x, r, b + 1, two)],
+                    pair4(x.scales.as_ptr().add(r * nb + b), two),
+                )
+            };
+            let dots: [__m256i; 8] = std::array::from_fn(|s| {
+                _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitude[s], _mm256_sign_epi8(xs[s % 2], raw[s])),
+                    ones,
+                )
+            });
+            let (first, second) = fold_slots(&dots);
+            if HALVES == 1 {
+                let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(first, second));
+                acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scales[0], dx), acc[t]);
+            } else {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(scales[0], dx), acc[t]);
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(second),
+                    _mm256_mul_ps(scales[HALVES - 1], dx),
+                    acc[t],
+                );
             }
         }
     }
-    for c in 0..COL_TILE {
-        for t in 0..R {
-            out[c * ROW_TILE + t0 + t] = hsum(acc[c][t]);
+    for t in 0..R {
+        let mut lanes = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+        for c in 0..COL_TILE {
+            out[c * ROW_TILE + t0 + t] = lanes[2 * c] + lanes[2 * c + 1];
         }
     }
 }
