@@ -157,6 +157,26 @@ struct Scratch {
     inverse: Vec<f32>,
 }
 
+impl Scratch {
+    /// Readies the scratch for a work item's rows: their queries scaled, their weights
+    /// `[row][span]` all −∞ (a score chunk whose rows see fewer tiles than the item's
+    /// longest leaves the rest so), no inverses yet. Returns the span: the longest row's
+    /// visible positions, in whole tiles.
+    fn prepare(&mut self, rows: &[Row], queries: &[f32], hd: usize, scale: f32) -> usize {
+        let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
+        let span = longest.div_ceil(KEY_TILE) * KEY_TILE;
+        self.queries.clear();
+        for row in rows {
+            self.queries
+                .extend(queries[row.query..row.query + hd].iter().map(|&q| q * scale));
+        }
+        self.weights.clear();
+        self.weights.resize(rows.len() * span, f32::NEG_INFINITY);
+        self.inverse.clear();
+        span
+    }
+}
+
 /// # Safety
 /// As [`attend`]; every row's output slice lies in `out` and belongs to this call.
 #[target_feature(enable = "avx512f,fma")]
@@ -172,17 +192,7 @@ unsafe fn item_attend(
     out: SendPtr,
 ) {
     let (nkv, hd) = (shape.n_head_kv, shape.head_dim);
-    let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
-    let span = longest.div_ceil(KEY_TILE) * KEY_TILE;
-    scratch.queries.clear();
-    for row in rows {
-        scratch
-            .queries
-            .extend(queries[row.query..row.query + hd].iter().map(|&q| q * scale));
-    }
-    scratch.weights.clear();
-    scratch.weights.resize(rows.len() * span, 0.0);
-    scratch.inverse.clear();
+    let span = scratch.prepare(rows, queries, hd, scale);
     // Scores, SCORE_ROWS rows at a time against each tile they see.
     for from in (0..rows.len()).step_by(SCORE_ROWS) {
         let chunk = &rows[from..(from + SCORE_ROWS).min(rows.len())];

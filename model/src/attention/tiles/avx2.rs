@@ -102,18 +102,7 @@ pub(super) unsafe fn item_attend(
     out: SendPtr,
 ) {
     let (nkv, hd) = (shape.n_head_kv, shape.head_dim);
-    let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
-    let span = longest.div_ceil(KEY_TILE) * KEY_TILE;
-    scratch.queries.clear();
-    for row in rows {
-        scratch
-            .queries
-            .extend(queries[row.query..row.query + hd].iter().map(|&q| q * scale));
-    }
-    // −∞ where a score chunk's rows see fewer tiles than the item's longest row.
-    scratch.weights.clear();
-    scratch.weights.resize(rows.len() * span, f32::NEG_INFINITY);
-    scratch.inverse.clear();
+    let span = scratch.prepare(rows, queries, hd, scale);
     for from in (0..rows.len()).step_by(SCORE_ROWS) {
         let chunk = &rows[from..(from + SCORE_ROWS).min(rows.len())];
         // SAFETY: as this function's.
