@@ -1,6 +1,6 @@
 //! Causal attention over host KV caches: dot products with exactly the keys a query row may
 //! see, softmax, weighted sum of values. Over tiled keys (AVX-512 or AVX2, see [`tiles`]) the rows
-//! reading one KV head share its loads; otherwise each (query row, head) runs alone. Each
+//! reading one KV head share its loads; otherwise (portable code) each (query row, head) runs alone. Each
 //! row's result is computed by the same code whatever else is in the pass, so verifying K
 //! drafts in one pass gives bit-identical results to decoding them one by one, alone or
 //! batched with other sequences. All rows of all sequences of a pass are one pass over
@@ -107,31 +107,6 @@ impl Head<'_> {
             self.visible * self.stride <= self.keys.len().min(self.values.len())
                 && self.offset + q.len() <= self.stride
         );
-        #[cfg(target_arch = "x86_64")]
-        match (crate::kernels::Kernel::detect(), q.len()) {
-            // SAFETY: the CPU has the kernel's features (detected); bounds are checked above.
-            (kernel, 64) if kernel.has_avx512() => {
-                return unsafe { self.attend_avx512::<4>(q, scores, dst) };
-            }
-            (kernel, 128) if kernel.has_avx512() => {
-                return unsafe { self.attend_avx512::<8>(q, scores, dst) };
-            }
-            (crate::kernels::Kernel::Avx2, 64) => return unsafe { self.attend_avx2::<8>(q, scores, dst) },
-            (crate::kernels::Kernel::Avx2, 128) => return unsafe { self.attend_avx2::<16>(q, scores, dst) },
-            _ => {}
-        }
-        self.attend_portable(q, scores, dst);
-    }
-
-    fn key(&self, j: usize, hd: usize) -> &[f32] {
-        &self.keys[j * self.stride + self.offset..][..hd]
-    }
-
-    fn value(&self, j: usize, hd: usize) -> &[f32] {
-        &self.values[j * self.stride + self.offset..][..hd]
-    }
-
-    fn attend_portable(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
         let hd = q.len();
         scores.clear();
         let mut max = f32::NEG_INFINITY;
@@ -153,103 +128,12 @@ impl Head<'_> {
         }
     }
 
-    /// The same with the head (`CH` × 16 floats) in registers.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F; `q.len() == 16 · CH` and the bounds checked in `attend`.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,fma")]
-    #[allow(clippy::needless_range_loop)] // registers indexed in lockstep with memory chunks
-    unsafe fn attend_avx512<const CH: usize>(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
-        use std::arch::x86_64::*;
-        assert!(q.len() == 16 * CH && dst.len() == 16 * CH);
-        let mut qr = [_mm512_setzero_ps(); CH];
-        for c in 0..CH {
-            // SAFETY: q holds 16 · CH floats.
-            qr[c] = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
-        }
-        scores.clear();
-        scores.resize(self.visible, 0.0);
-        let mut max = f32::NEG_INFINITY;
-        for (j, score) in scores.iter_mut().enumerate() {
-            // SAFETY: position j < visible of this KV head is in bounds (checked in attend).
-            let k = unsafe { self.keys.as_ptr().add(j * self.stride + self.offset) };
-            let mut acc = _mm512_setzero_ps();
-            for c in 0..CH {
-                acc = _mm512_fmadd_ps(qr[c], unsafe { _mm512_loadu_ps(k.add(16 * c)) }, acc);
-            }
-            *score = _mm512_reduce_add_ps(acc) * self.scale;
-            max = max.max(*score);
-        }
-        for s in scores.iter_mut() {
-            *s = exp(*s - max);
-        }
-        let inv = 1.0 / scores.iter().sum::<f32>();
-        let mut out = [_mm512_setzero_ps(); CH];
-        for (j, &p) in scores.iter().enumerate() {
-            let w = _mm512_set1_ps(p * inv);
-            // SAFETY: as above.
-            let v = unsafe { self.values.as_ptr().add(j * self.stride + self.offset) };
-            for c in 0..CH {
-                out[c] = _mm512_fmadd_ps(w, unsafe { _mm512_loadu_ps(v.add(16 * c)) }, out[c]);
-            }
-        }
-        for c in 0..CH {
-            // SAFETY: dst holds 16 · CH floats.
-            unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), out[c]) };
-        }
+    fn key(&self, j: usize, hd: usize) -> &[f32] {
+        &self.keys[j * self.stride + self.offset..][..hd]
     }
 
-    /// As [`Head::attend_avx512`] with 256-bit registers (`CH` × 8 floats).
-    ///
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; `q.len() == 8 · CH` and the bounds checked in `attend`.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::needless_range_loop)] // registers indexed in lockstep with memory chunks
-    unsafe fn attend_avx2<const CH: usize>(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
-        use std::arch::x86_64::*;
-        assert!(q.len() == 8 * CH && dst.len() == 8 * CH);
-        scores.clear();
-        scores.resize(self.visible, 0.0);
-        let mut max = f32::NEG_INFINITY;
-        for (j, score) in scores.iter_mut().enumerate() {
-            // SAFETY: position j < visible of this KV head is in bounds (checked in attend).
-            let k = unsafe { self.keys.as_ptr().add(j * self.stride + self.offset) };
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for c in 0..CH {
-                // SAFETY: q and the key hold 8 · CH floats.
-                let (qc, kc) = unsafe {
-                    (
-                        _mm256_loadu_ps(q.as_ptr().add(8 * c)),
-                        _mm256_loadu_ps(k.add(8 * c)),
-                    )
-                };
-                acc[c % 2] = _mm256_fmadd_ps(qc, kc, acc[c % 2]);
-            }
-            let v = _mm256_add_ps(acc[0], acc[1]);
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            *score = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * self.scale;
-            max = max.max(*score);
-        }
-        for s in scores.iter_mut() {
-            *s = exp(*s - max);
-        }
-        let inv = 1.0 / scores.iter().sum::<f32>();
-        let mut out = [_mm256_setzero_ps(); CH];
-        for (j, &p) in scores.iter().enumerate() {
-            let w = _mm256_set1_ps(p * inv);
-            // SAFETY: as above.
-            let v = unsafe { self.values.as_ptr().add(j * self.stride + self.offset) };
-            for c in 0..CH {
-                out[c] = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.add(8 * c)) }, out[c]);
-            }
-        }
-        for c in 0..CH {
-            // SAFETY: dst holds 8 · CH floats.
-            unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), out[c]) };
-        }
+    fn value(&self, j: usize, hd: usize) -> &[f32] {
+        &self.values[j * self.stride + self.offset..][..hd]
     }
 }
 
@@ -301,51 +185,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::Head;
-
-    #[test]
-    fn the_simd_head_matches_the_portable_one() {
-        for hd in [64usize, 128, 48] {
-            let (nkv, visible) = (3, 37);
-            let values: Vec<f32> = (0..visible * nkv * hd)
-                .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
-                .collect();
-            let keys: Vec<f32> = (0..visible * nkv * hd)
-                .map(|i| ((i * 104_729) % 97) as f32 / 48.0 - 1.0)
-                .collect();
-            let q: Vec<f32> = (0..hd).map(|i| ((i * 31) % 23) as f32 / 11.0 - 1.0).collect();
-            let head = Head {
-                keys: &keys,
-                values: &values,
-                stride: nkv * hd,
-                offset: hd,
-                visible,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
-            let (mut fast, mut plain, mut scores) = (vec![0f32; hd], vec![0f32; hd], Vec::new());
-            head.attend_portable(&q, &mut scores, &mut plain);
-            let mut results = vec![("detected", {
-                head.attend(&q, &mut scores, &mut fast);
-                fast.clone()
-            })];
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                let mut avx2 = vec![0f32; hd];
-                // SAFETY: the CPU has AVX2 and FMA (checked); the bounds hold for this head.
-                match hd {
-                    64 => unsafe { head.attend_avx2::<8>(&q, &mut scores, &mut avx2) },
-                    128 => unsafe { head.attend_avx2::<16>(&q, &mut scores, &mut avx2) },
-                    _ => head.attend_portable(&q, &mut scores, &mut avx2),
-                }
-                results.push(("avx2", avx2));
-            }
-            for (name, got) in results {
-                for (a, b) in got.iter().zip(&plain) {
-                    assert!((a - b).abs() <= 1e-5, "{name} hd {hd}: {a} vs {b}");
-                }
-            }
-        }
-    }
     #[test]
     fn exp_is_within_two_ulp_of_std() {
         let mut x = -87.0f32;
