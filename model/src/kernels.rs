@@ -380,14 +380,14 @@ impl QuantMatrix {
                     // (see `from_qtensor_for`); the kernel checks every bound it uses.
                     unsafe {
                         match count {
-                            8 => avx2_groups::q8_group::<8, $halves>(self, group, x, r0, 0, out),
-                            7 => avx2_groups::q8_group::<7, $halves>(self, group, x, r0, 0, out),
-                            6 => avx2_groups::q8_group::<6, $halves>(self, group, x, r0, 0, out),
-                            5 => avx2_groups::q8_group::<5, $halves>(self, group, x, r0, 0, out),
-                            4 => avx2_groups::q8_group::<4, $halves>(self, group, x, r0, 0, out),
-                            3 => avx2_groups::q8_group::<3, $halves>(self, group, x, r0, 0, out),
-                            2 => avx2_groups::q8_group::<2, $halves>(self, group, x, r0, 0, out),
-                            _ => avx2_groups::q8_group::<1, $halves>(self, group, x, r0, 0, out),
+                            8 => avx2_groups::q8_group::<8, $halves>(self, group, x, r0, out),
+                            7 => avx2_groups::q8_group::<7, $halves>(self, group, x, r0, out),
+                            6 => avx2_groups::q8_group::<6, $halves>(self, group, x, r0, out),
+                            5 => avx2_groups::q8_group::<5, $halves>(self, group, x, r0, out),
+                            4 => avx2_groups::q8_group::<4, $halves>(self, group, x, r0, out),
+                            3 => avx2_groups::q8_group::<3, $halves>(self, group, x, r0, out),
+                            2 => avx2_groups::q8_group::<2, $halves>(self, group, x, r0, out),
+                            _ => avx2_groups::q8_group::<1, $halves>(self, group, x, r0, out),
                         }
                     }
                 };

@@ -39,7 +39,7 @@ fn fold_slots(m: &[__m256i; 8]) -> (__m256i, __m256i) {
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0) or
 /// per 16 values (`HALVES` = 2, Q6_K), for weight rows `4 · group .. 4 · group + 4` and
-/// activation rows `r0..r0 + R`, into `out[c * ROW_TILE + t0 + t]`.
+/// activation rows `r0..r0 + R`, into `out[c * ROW_TILE + t]`.
 ///
 /// A record's 8 blocks ("slots" s = 2 · weight row + block) are read once per call and
 /// their magnitudes kept for all R rows. Per row, each slot's 32 products are `maddubs`
@@ -56,11 +56,10 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     group: usize,
     x: &QuantizedRows,
     r0: usize,
-    t0: usize,
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, 2 * BLOCK);
-    assert!(t0 + R <= ROW_TILE && w.halves() == HALVES);
+    assert!(R <= ROW_TILE && w.halves() == HALVES);
     let (nb, pairs) = (x.blocks, x.blocks.div_ceil(2));
     let mut acc = [_mm256_setzero_ps(); R];
     let meta_per_record = 2 * HALVES * COL_TILE;
@@ -127,7 +126,7 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t0 + t] = lanes[2 * c] + lanes[2 * c + 1];
+            out[c * ROW_TILE + t] = lanes[2 * c] + lanes[2 * c + 1];
         }
     }
 }
