@@ -5,9 +5,17 @@
 //! positions are 16-lane multiply-adds against one tile row per dimension (no horizontal
 //! sums); the weighted sum of values loads each value row once for several query rows.
 //!
-//! Each row's arithmetic is the same whatever other rows share its work item: positions a
-//! row may not see are masked to −∞ before its softmax, and their weights are exact zeros,
-//! so results stay batch-invariant (a verified draft scores bit-identically to decoding it).
+//! Work is split by KV head and by blocks of [`BLOCK_POSITIONS`] cached positions (as
+//! flash-decoding does): each item reads one block of one KV head's keys and values once for
+//! every query row of the sequence that sees into it, and leaves per (row, head, block) a
+//! partial result (the block's score maximum, its softmax sum and unnormalised value sum);
+//! a second pass combines a row's blocks in order. Splitting by position rather than by
+//! query row keeps both threads busy on one sequence's decode without reading a block twice.
+//!
+//! Each row's arithmetic is the same whatever other rows share its work item: blocks start
+//! at fixed positions, positions a row may not see are masked to −∞ before its softmax and
+//! their weights are exact zeros, and blocks combine in a fixed order, so results stay
+//! batch-invariant (a verified draft scores bit-identically to decoding it).
 //!
 //! [`KeyLayout::Tiles`]: crate::kv_cache::KeyLayout::Tiles
 
@@ -28,13 +36,35 @@ const SCORE_ROWS: usize = 6;
 const SCORE_CHAINS: usize = 4;
 /// Registers for the value accumulators of the rows summed together.
 const VALUE_REGISTERS: usize = 24;
+/// Cached positions per block (a multiple of the key tile): a work item's span, and the unit
+/// in which a row's partial results are combined.
+pub(super) const BLOCK_POSITIONS: usize = 64;
+/// Most query rows in one work item; an item of more rows (a prompt chunk) is split, as its
+/// arithmetic outweighs reading the block once more.
+const ITEM_ROWS: usize = 48;
 
 /// One work item: query rows `rows` (in `(position, head in group)` order) of sequence
-/// `sequence` against KV head `kv`.
+/// `sequence` against block `block` of KV head `kv`.
 struct Item {
     sequence: usize,
     kv: usize,
+    block: usize,
     rows: std::ops::Range<usize>,
+}
+
+impl Item {
+    /// Scores the item computes (rows × positions), to schedule the largest first.
+    fn work(&self, seq: &SequenceAttention<'_>, group: usize) -> usize {
+        let first = self.block * BLOCK_POSITIONS;
+        let last_visible = seq.start + (self.rows.end - 1) / group + 1;
+        self.rows.len() * (last_visible.min(first + BLOCK_POSITIONS) - first)
+    }
+}
+
+/// Floats of one partial result: the block's score maximum, its softmax sum, and the
+/// unnormalised weighted sum of values (head_dim floats).
+fn partial_floats(hd: usize) -> usize {
+    hd + 2
 }
 
 /// The whole attention of a pass, as [`super::attend`] specifies, for sequences whose keys
@@ -44,6 +74,23 @@ struct Item {
 /// The CPU must have AVX-512 F, or AVX2 and FMA; the caller checks the sizes of `queries`
 /// and `out`.
 pub unsafe fn attend(
+    shape: &AttentionShape,
+    queries: &[f32],
+    sequences: &[SequenceAttention<'_>],
+    first_row: &[usize],
+    out: &mut [f32],
+) {
+    let avx512 = crate::kernels::Kernel::detect().has_avx512();
+    // SAFETY: as this function's.
+    unsafe { attend_with(avx512, shape, queries, sequences, first_row, out) }
+}
+
+/// [`attend`] with AVX-512 or with AVX2 (tests run both where the CPU has AVX-512).
+///
+/// # Safety
+/// As [`attend`], and the CPU must have AVX-512 F if `avx512`.
+unsafe fn attend_with(
+    avx512: bool,
     shape: &AttentionShape,
     queries: &[f32],
     sequences: &[SequenceAttention<'_>],
@@ -61,61 +108,135 @@ pub unsafe fn attend(
             "the cache must hold every visible position"
         );
     }
-    // Enough items for the pool's threads to share evenly, each as large as it can be.
-    let total_rows: usize = sequences.iter().map(|s| s.n * group).sum::<usize>() * nkv;
-    // Asking candle for its thread count reads the environment and the cgroup files.
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let threads = *THREADS.get_or_init(|| candle_core::utils::get_num_threads().max(1));
-    // At least a whole GQA group per item: its rows read the same keys and values, which
-    // (not the arithmetic) bound one-token decode at depth.
-    let chunk = (total_rows / (4 * threads)).clamp(group.min(SCORE_ROWS), SCORE_ROWS);
+    let blocks_of = |visible: usize| visible.div_ceil(BLOCK_POSITIONS);
+    let max_blocks = sequences
+        .iter()
+        .map(|s| blocks_of(s.start + s.n))
+        .max()
+        .unwrap_or(0);
     let mut items = Vec::new();
     for (sequence, seq) in sequences.iter().enumerate() {
         for kv in 0..nkv {
-            let rows = seq.n * group;
-            for from in (0..rows).step_by(chunk) {
-                items.push(Item {
-                    sequence,
-                    kv,
-                    rows: from..(from + chunk).min(rows),
-                });
+            for block in 0..blocks_of(seq.start + seq.n) {
+                // The rows that see into the block: positions at or after its first − start.
+                let first_row = (block * BLOCK_POSITIONS).saturating_sub(seq.start) * group;
+                for from in (first_row..seq.n * group).step_by(ITEM_ROWS) {
+                    items.push(Item {
+                        sequence,
+                        kv,
+                        block,
+                        rows: from..(from + ITEM_ROWS).min(seq.n * group),
+                    });
+                }
             }
         }
     }
-    let out_ptr = SendPtr(out.as_mut_ptr());
+    // Largest first, so the pool's threads finish together.
+    items.sort_by_key(|item| std::cmp::Reverse(item.work(&sequences[item.sequence], group)));
+    let total_rows = *first_row.last().expect("one entry per sequence and the end");
+    let floats = partial_floats(hd);
     let scale = 1.0 / (hd as f32).sqrt();
-    let avx512 = crate::kernels::Kernel::detect().has_avx512();
     thread_local! {
         static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+        static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
-        SCRATCH.with_borrow_mut(|scratch| {
-            // The row list is reused from item to item (taken out while the scratch is lent).
-            let mut rows = std::mem::take(&mut scratch.rows);
-            for item in &items[range] {
-                let seq = &sequences[item.sequence];
-                rows.clear();
-                rows.extend(item.rows.clone().map(|r| {
-                    let (i, head) = (r / group, item.kv * group + r % group);
-                    Row {
-                        query: ((first_row[item.sequence] + i) * nh + head) * hd,
-                        visible: seq.start + i + 1,
-                    }
-                }));
-                // SAFETY: the CPU has AVX-512 F, or else AVX2 and FMA (the caller's contract);
-                // bounds checked above and in `item_attend`; each (row, head) output slice
-                // belongs to one item.
-                unsafe {
-                    if avx512 {
-                        item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr)
-                    } else {
-                        avx2::item_attend(shape, seq, item.kv, &rows, queries, scale, scratch, out_ptr)
-                    }
-                };
+    PARTIALS.with_borrow_mut(|partials| {
+        // Every slot a row's combine reads is written by the item of that block.
+        partials.resize(total_rows * nh * max_blocks * floats, 0.0);
+        let partials_ptr = SendPtr(partials.as_mut_ptr());
+        let partial_at =
+            |row: usize, head: usize, block: usize| ((row * nh + head) * max_blocks + block) * floats;
+        candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+            SCRATCH.with_borrow_mut(|scratch| {
+                // The row list is reused from item to item (taken out while the scratch is lent).
+                let mut rows = std::mem::take(&mut scratch.rows);
+                for item in &items[range] {
+                    let seq = &sequences[item.sequence];
+                    rows.clear();
+                    rows.extend(item.rows.clone().map(|r| {
+                        let (i, head) = (r / group, item.kv * group + r % group);
+                        let row = first_row[item.sequence] + i;
+                        Row {
+                            query: (row * nh + head) * hd,
+                            visible: seq.start + i + 1,
+                            partial: partial_at(row, head, item.block),
+                        }
+                    }));
+                    let first = item.block * BLOCK_POSITIONS;
+                    // SAFETY: the CPU has AVX-512 F, or else AVX2 and FMA (the caller's contract);
+                    // bounds checked above and in `item_attend`; each (row, head, block) partial
+                    // belongs to one item.
+                    unsafe {
+                        if avx512 {
+                            item_attend(
+                                shape,
+                                seq,
+                                item.kv,
+                                first,
+                                &rows,
+                                queries,
+                                scale,
+                                scratch,
+                                partials_ptr,
+                            )
+                        } else {
+                            avx2::item_attend(
+                                shape,
+                                seq,
+                                item.kv,
+                                first,
+                                &rows,
+                                queries,
+                                scale,
+                                scratch,
+                                partials_ptr,
+                            )
+                        }
+                    };
+                }
+                scratch.rows = rows;
+            });
+        });
+        // Each (row, head): its blocks' partial results, combined in block order.
+        let partials = &partials[..];
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        candle_core::utils::barrier_pool().execute_chunked(total_rows * nh, |range| {
+            for item in range {
+                let (row, head) = (item / nh, item % nh);
+                let sequence = first_row.partition_point(|&r| r <= row) - 1;
+                let seq = &sequences[sequence];
+                let visible = seq.start + row - first_row[sequence] + 1;
+                let base = partial_at(row, head, 0);
+                // SAFETY: each (row, head) output slice lies in `out` (checked by the caller)
+                // and is written by this item only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(item * hd), hd) };
+                combine(&partials[base..base + blocks_of(visible) * floats], hd, dst);
             }
-            scratch.rows = rows;
         });
     });
+}
+
+/// `dst = Σ_b e^(m_b − m) · acc_b / Σ_b e^(m_b − m) · l_b` over a row's blocks' partials
+/// `[m_b, l_b, acc_b…]` (m the largest m_b), in block order.
+fn combine(partials: &[f32], hd: usize, dst: &mut [f32]) {
+    let floats = partial_floats(hd);
+    let max = partials
+        .chunks_exact(floats)
+        .map(|p| p[0])
+        .fold(f32::NEG_INFINITY, f32::max);
+    dst.fill(0.0);
+    let mut sum = 0.0f32;
+    for p in partials.chunks_exact(floats) {
+        let factor = super::exp(p[0] - max);
+        sum += factor * p[1];
+        for (d, &a) in dst.iter_mut().zip(&p[2..]) {
+            *d += factor * a;
+        }
+    }
+    let inverse = 1.0 / sum;
+    for d in dst.iter_mut() {
+        *d *= inverse;
+    }
 }
 
 /// [`super::exp`] on 16 lanes (the same polynomial, so within 2 ulp of `f32::exp`).
@@ -139,10 +260,12 @@ pub(crate) fn exp16(x: __m512) -> __m512 {
     _mm512_mul_ps(p, _mm512_castsi512_ps(bits))
 }
 
-/// A query row: where its query (and output) starts, and how many positions it sees.
+/// A query row of a work item: where its query starts, how many positions it sees, and
+/// where its partial result for the item's block goes.
 struct Row {
     query: usize,
     visible: usize,
+    partial: usize,
 }
 
 #[derive(Default)]
@@ -151,20 +274,18 @@ struct Scratch {
     rows: Vec<Row>,
     /// Scaled queries, `[row][head_dim]`.
     queries: Vec<f32>,
-    /// Softmax weights (unnormalised), `[row][positions]`.
+    /// Softmax weights (unnormalised) over the item's block, `[row][span]`.
     weights: Vec<f32>,
-    /// 1 / Σ weights per row.
-    inverse: Vec<f32>,
 }
 
 impl Scratch {
-    /// Readies the scratch for a work item's rows: their queries scaled, their weights
-    /// `[row][span]` all −∞ (a score chunk whose rows see fewer tiles than the item's
-    /// longest leaves the rest so), no inverses yet. Returns the span: the longest row's
-    /// visible positions, in whole tiles.
-    fn prepare(&mut self, rows: &[Row], queries: &[f32], hd: usize, scale: f32) -> usize {
+    /// Readies the scratch for a work item's rows against the block starting at `first`:
+    /// their queries scaled, their weights `[row][span]` all −∞ (a score chunk whose rows see
+    /// fewer tiles than the item's longest leaves the rest so). Returns the span: the
+    /// positions of the block the longest row sees, in whole tiles.
+    fn prepare(&mut self, rows: &[Row], queries: &[f32], hd: usize, scale: f32, first: usize) -> usize {
         let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
-        let span = longest.div_ceil(KEY_TILE) * KEY_TILE;
+        let span = (longest.min(first + BLOCK_POSITIONS) - first).div_ceil(KEY_TILE) * KEY_TILE;
         self.queries.clear();
         for row in rows {
             self.queries
@@ -172,34 +293,43 @@ impl Scratch {
         }
         self.weights.clear();
         self.weights.resize(rows.len() * span, f32::NEG_INFINITY);
-        self.inverse.clear();
         span
+    }
+
+    /// Positions of the block (from `first`) that `row` sees.
+    fn seen_in_block(row: &Row, first: usize) -> usize {
+        row.visible.min(first + BLOCK_POSITIONS) - first
     }
 }
 
+/// One work item: `rows` of sequence `seq` against the block of KV head `kv` that starts at
+/// position `first`; writes each row's partial result (see [`combine`]).
+///
 /// # Safety
-/// As [`attend`]; every row's output slice lies in `out` and belongs to this call.
+/// As [`attend`]; every row sees into the block, and its partial slot lies in `partials` and
+/// belongs to this call.
 #[target_feature(enable = "avx512f,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn item_attend(
     shape: &AttentionShape,
     seq: &SequenceAttention<'_>,
     kv: usize,
+    first: usize,
     rows: &[Row],
     queries: &[f32],
     scale: f32,
     scratch: &mut Scratch,
-    out: SendPtr,
+    partials: SendPtr,
 ) {
     let (nkv, hd) = (shape.n_head_kv, shape.head_dim);
-    let span = scratch.prepare(rows, queries, hd, scale);
+    let span = scratch.prepare(rows, queries, hd, scale, first);
     // Scores, SCORE_ROWS rows at a time against each tile they see.
     for from in (0..rows.len()).step_by(SCORE_ROWS) {
         let chunk = &rows[from..(from + SCORE_ROWS).min(rows.len())];
         macro_rules! scores {
             ($r:literal) => {
                 // SAFETY: as this function's.
-                unsafe { score_rows::<$r>(seq, kv, nkv, hd, chunk, from, span, scratch) }
+                unsafe { score_rows::<$r>(seq, kv, nkv, hd, first, chunk, from, span, scratch) }
             };
         }
         match chunk.len() {
@@ -211,7 +341,8 @@ unsafe fn item_attend(
             _ => scores!(1),
         }
     }
-    // Softmax per row over exactly the positions it sees; the rest become exact zeros.
+    // Softmax per row over exactly the positions of the block it sees; the rest become
+    // exact zeros. The block's maximum and sum go to the row's partial result.
     for (r, row) in rows.iter().enumerate() {
         let weights = &mut scratch.weights[r * span..(r + 1) * span];
         let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -219,12 +350,14 @@ unsafe fn item_attend(
             // SAFETY: 16 floats (masked positions are −∞ and do not raise the maximum).
             max = _mm512_max_ps(max, unsafe { _mm512_loadu_ps(tile.as_ptr()) });
         }
-        let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
+        let block_max = _mm512_reduce_max_ps(max);
+        let max = _mm512_set1_ps(block_max);
         // Sixteen lane sums, then the lanes in a fixed order: positions past `visible` add
         // exact zeros, so the sum does not depend on the item's span.
+        let seen_in_block = Scratch::seen_in_block(row, first);
         let mut sum = _mm512_setzero_ps();
         for (t, tile) in weights.chunks_exact_mut(KEY_TILE).enumerate() {
-            let seen = row.visible.saturating_sub(t * KEY_TILE).min(KEY_TILE);
+            let seen = seen_in_block.saturating_sub(t * KEY_TILE).min(KEY_TILE);
             // SAFETY: 16 floats.
             let w = unsafe { _mm512_loadu_ps(tile.as_ptr()) };
             let w = _mm512_maskz_mov_ps(((1u32 << seen) - 1) as __mmask16, exp16(_mm512_sub_ps(w, max)));
@@ -232,7 +365,11 @@ unsafe fn item_attend(
             unsafe { _mm512_storeu_ps(tile.as_mut_ptr(), w) };
             sum = _mm512_add_ps(sum, w);
         }
-        scratch.inverse.push(1.0 / _mm512_reduce_add_ps(sum));
+        // SAFETY: the row's partial slot belongs to this call (the caller's contract).
+        unsafe {
+            *partials.get().add(row.partial) = block_max;
+            *partials.get().add(row.partial + 1) = _mm512_reduce_add_ps(sum);
+        }
     }
     // Weighted sums of values: each value row loaded once for a chunk of rows.
     macro_rules! values {
@@ -242,7 +379,7 @@ unsafe fn item_attend(
                 let chunk = &rows[from..(from + PER_CHUNK).min(rows.len())];
                 match chunk.len() {
                     // SAFETY: as this function's.
-                    $($r => unsafe { sum_values::<$r, $g>(seq, kv, nkv, chunk, from, span, scratch, out) },)+
+                    $($r => unsafe { sum_values::<$r, $g>(seq, kv, nkv, first, chunk, from, span, scratch, partials) },)+
                     _ => unreachable!("chunks hold 1..={PER_CHUNK} rows"),
                 }
             }
@@ -255,8 +392,8 @@ unsafe fn item_attend(
     }
 }
 
-/// Scores of `R` rows (scratch rows `from..from + R`) against every tile they see, masked
-/// to −∞ past each row's visible positions.
+/// Scores of `R` rows (scratch rows `from..from + R`) against every tile of the block (from
+/// position `first`) they see, masked to −∞ past each row's visible positions.
 ///
 /// # Safety
 /// As [`attend`].
@@ -267,25 +404,46 @@ unsafe fn score_rows<const R: usize>(
     kv: usize,
     nkv: usize,
     hd: usize,
+    first: usize,
     chunk: &[Row],
     from: usize,
     span: usize,
     scratch: &mut Scratch,
 ) {
-    assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd);
+    assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd && first.is_multiple_of(KEY_TILE));
     let tile_floats = KEY_TILE * nkv * hd;
     let tiles = chunk
         .iter()
-        .map(|r| r.visible)
+        .map(|r| Scratch::seen_in_block(r, first))
         .max()
         .unwrap_or(0)
         .div_ceil(KEY_TILE);
+    let first_tile = first / KEY_TILE;
     let queries = &scratch.queries[from * hd..(from + R) * hd];
+    let value_stride = nkv * hd;
     for t in 0..tiles {
-        let tile = &seq.keys[t * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
+        let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
+        // The first chunk of rows asks for the next key tile, and for this tile's values
+        // (read next by `sum_values`): two cache lines per step below.
+        let next_keys = tile.as_ptr().wrapping_add(tile_floats);
+        let values = seq
+            .values
+            .as_ptr()
+            .wrapping_add((first + t * KEY_TILE) * value_stride + kv * hd);
+        let (line_floats, prefetch) = (16, from == 0);
+        let lines_per_value = hd / line_floats;
         let mut acc = [[_mm512_setzero_ps(); SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
+                if prefetch {
+                    // hd steps: one line of the next key tile and one of 16 positions' values.
+                    let step = d + a;
+                    _mm_prefetch::<_MM_HINT_T0>(next_keys.wrapping_add(step * KEY_TILE) as *const i8);
+                    let (position, line) = (step / lines_per_value, step % lines_per_value);
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        values.wrapping_add(position * value_stride + line * line_floats) as *const i8,
+                    );
+                }
                 // SAFETY: the tile holds hd rows of 16 floats (hd a multiple of 4).
                 let keys = unsafe { _mm512_loadu_ps(tile.as_ptr().add((d + a) * KEY_TILE)) };
                 for c in 0..R {
@@ -295,7 +453,9 @@ unsafe fn score_rows<const R: usize>(
             }
         }
         for c in 0..R {
-            let seen = chunk[c].visible.saturating_sub(t * KEY_TILE).min(KEY_TILE);
+            let seen = Scratch::seen_in_block(&chunk[c], first)
+                .saturating_sub(t * KEY_TILE)
+                .min(KEY_TILE);
             let mask = ((1u32 << seen) - 1) as __mmask16;
             let [a0, a1, a2, a3] = acc[c];
             let scores = _mm512_mask_blend_ps(
@@ -311,32 +471,37 @@ unsafe fn score_rows<const R: usize>(
     }
 }
 
-/// `out[row] = Σⱼ weights[row][j] · values[j] / Σⱼ weights[row][j]` for `R` rows (scratch
-/// rows `from..from + R`), heads of `16 · G` floats.
+/// `partial[row] = Σⱼ weights[row][j] · values[first + j]` over the block, unnormalised,
+/// for `R` rows (scratch rows `from..from + R`), heads of `16 · G` floats.
 ///
 /// # Safety
-/// As [`attend`]; each row's output slice belongs to this call.
+/// As [`item_attend`]; each row's partial slot belongs to this call.
 #[target_feature(enable = "avx512f,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sum_values<const R: usize, const G: usize>(
     seq: &SequenceAttention<'_>,
     kv: usize,
     nkv: usize,
+    first: usize,
     chunk: &[Row],
     from: usize,
     span: usize,
     scratch: &Scratch,
-    out: SendPtr,
+    partials: SendPtr,
 ) {
     let hd = 16 * G;
     let stride = nkv * hd;
-    let positions = chunk.iter().map(|r| r.visible).max().unwrap_or(0);
-    assert!(chunk.len() == R && positions <= span && seq.values.len() >= positions * stride);
+    let positions = chunk
+        .iter()
+        .map(|r| Scratch::seen_in_block(r, first))
+        .max()
+        .unwrap_or(0);
+    assert!(chunk.len() == R && positions <= span && seq.values.len() >= (first + positions) * stride);
     assert!(scratch.weights.len() >= (from + R) * span);
     let mut acc = [[_mm512_setzero_ps(); G]; R];
     for j in 0..positions {
-        // SAFETY: position j < positions of this KV head is in bounds (checked above).
-        let value = unsafe { seq.values.as_ptr().add(j * stride + kv * hd) };
+        // SAFETY: position first + j of this KV head is in bounds (checked above).
+        let value = unsafe { seq.values.as_ptr().add((first + j) * stride + kv * hd) };
         for g in 0..G {
             // SAFETY: as above; 16 floats at 16 g < hd.
             let v = unsafe { _mm512_loadu_ps(value.add(16 * g)) };
@@ -348,16 +513,10 @@ unsafe fn sum_values<const R: usize, const G: usize>(
         }
     }
     for c in 0..R {
-        let inverse = _mm512_set1_ps(scratch.inverse[from + c]);
         for g in 0..G {
-            // SAFETY: the row's output slice (hd floats at its query offset) is inside `out`
-            // and written only by this item.
-            unsafe {
-                _mm512_storeu_ps(
-                    out.get().add(chunk[c].query + 16 * g),
-                    _mm512_mul_ps(acc[c][g], inverse),
-                )
-            };
+            // SAFETY: the row's partial slot (2 + hd floats) lies in the partials and is
+            // written only by this item.
+            unsafe { _mm512_storeu_ps(partials.get().add(chunk[c].partial + 2 + 16 * g), acc[c][g]) };
         }
     }
 }
@@ -393,7 +552,14 @@ mod tests {
         n: usize,
     }
 
-    fn run(shape: &AttentionShape, caches: &[&Cache], queries: &[f32], layout: KeyLayout) -> Vec<f32> {
+    /// The tiled attention with AVX-512 or AVX2 (`Some`), or the dispatching one (`None`).
+    fn run(
+        shape: &AttentionShape,
+        caches: &[&Cache],
+        queries: &[f32],
+        layout: KeyLayout,
+        avx512: Option<bool>,
+    ) -> Vec<f32> {
         let sequences: Vec<SequenceAttention<'_>> = caches
             .iter()
             .map(|c| SequenceAttention {
@@ -409,7 +575,17 @@ mod tests {
             })
             .collect();
         let mut out = vec![0f32; queries.len()];
-        attend(shape, queries, &sequences, &mut out);
+        match avx512 {
+            None => attend(shape, queries, &sequences, &mut out),
+            Some(avx512) => {
+                let mut first_row = vec![0];
+                for s in &sequences {
+                    first_row.push(first_row.last().unwrap() + s.n);
+                }
+                // SAFETY: the caller checked the CPU; sizes as `attend` checks them.
+                unsafe { super::attend_with(avx512, shape, queries, &sequences, &first_row, &mut out) }
+            }
+        }
         out
     }
 
@@ -419,35 +595,55 @@ mod tests {
             eprintln!("no AVX2 here: tiled keys are never used on this CPU");
             return;
         }
-        for hd in [64usize, 128] {
+        // AVX2 always; AVX-512 too where the CPU has it.
+        let paths: &[bool] = if Kernel::detect().has_avx512() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for (hd, &avx512) in [64usize, 128]
+            .into_iter()
+            .flat_map(|hd| paths.iter().map(move |p| (hd, p)))
+        {
             let shape = AttentionShape {
                 n_head: 6,
                 n_head_kv: 2,
                 head_dim: hd,
             };
             let width = shape.n_head_kv * hd;
-            let caches: Vec<Cache> = [(37usize, 3usize), (0, 5), (20, 1), (15, 2)]
-                .iter()
-                .enumerate()
-                .map(|(s, &(start, n))| {
-                    let positions = start + n;
-                    let keys = noise(positions * width, 11 + s);
-                    Cache {
-                        tiles: tiled(&keys, positions, width),
-                        keys,
-                        values: noise(positions * width, 23 + s),
-                        start,
-                        n,
-                    }
-                })
-                .collect();
+            // Short caches (one position block), and ones whose rows cross block boundaries
+            // or start exactly at one (a prompt chunk among them).
+            let caches: Vec<Cache> = [
+                (37usize, 3usize),
+                (0, 5),
+                (20, 1),
+                (15, 2),
+                (150, 4),
+                (0, 70),
+                (63, 2),
+                (128, 1),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(s, &(start, n))| {
+                let positions = start + n;
+                let keys = noise(positions * width, 11 + s);
+                Cache {
+                    tiles: tiled(&keys, positions, width),
+                    keys,
+                    values: noise(positions * width, 23 + s),
+                    start,
+                    n,
+                }
+            })
+            .collect();
             let rows: usize = caches.iter().map(|c| c.n).sum();
             let queries = noise(rows * shape.n_head * hd, 5);
             let all: Vec<&Cache> = caches.iter().collect();
-            let per_row = run(&shape, &all, &queries, KeyLayout::Positions);
-            let together = run(&shape, &all, &queries, KeyLayout::Tiles);
+            let per_row = run(&shape, &all, &queries, KeyLayout::Positions, None);
+            let together = run(&shape, &all, &queries, KeyLayout::Tiles, Some(avx512));
             for (i, (a, b)) in together.iter().zip(&per_row).enumerate() {
-                assert!((a - b).abs() <= 1e-5, "hd {hd} [{i}]: {a} vs {b}");
+                assert!((a - b).abs() <= 1e-5, "hd {hd} avx512 {avx512} [{i}]: {a} vs {b}");
             }
             // Every row alone (its sequence's cache cut to what it sees) gives the same bits.
             let row_floats = shape.n_head * hd;
@@ -462,11 +658,11 @@ mod tests {
                         n: 1,
                     };
                     let q = &queries[row * row_floats..(row + 1) * row_floats];
-                    let got = run(&shape, &[&alone], q, KeyLayout::Tiles);
+                    let got = run(&shape, &[&alone], q, KeyLayout::Tiles, Some(avx512));
                     assert_eq!(
                         got,
                         together[row * row_floats..(row + 1) * row_floats],
-                        "hd {hd} row {row}"
+                        "hd {hd} avx512 {avx512} row {row}"
                     );
                     row += 1;
                 }

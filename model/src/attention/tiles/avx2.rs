@@ -84,37 +84,40 @@ fn lane_max(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)))
 }
 
-/// One work item: `rows` of sequence `seq` against KV head `kv` (see `super::item_attend`).
+/// One work item: `rows` of sequence `seq` against the block of KV head `kv` that starts at
+/// position `first` (see `super::item_attend`); writes each row's partial result.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; the sizes are as `super::attend` checks them; every row's
-/// output slice lies in `out` and belongs to this call.
+/// The CPU must have AVX2 and FMA; the sizes are as `super::attend` checks them; every row
+/// sees into the block, and its partial slot lies in `partials` and belongs to this call.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn item_attend(
     shape: &AttentionShape,
     seq: &SequenceAttention<'_>,
     kv: usize,
+    first: usize,
     rows: &[Row],
     queries: &[f32],
     scale: f32,
     scratch: &mut Scratch,
-    out: SendPtr,
+    partials: SendPtr,
 ) {
     let (nkv, hd) = (shape.n_head_kv, shape.head_dim);
-    let span = scratch.prepare(rows, queries, hd, scale);
+    let span = scratch.prepare(rows, queries, hd, scale, first);
     for from in (0..rows.len()).step_by(SCORE_ROWS) {
         let chunk = &rows[from..(from + SCORE_ROWS).min(rows.len())];
         // SAFETY: as this function's.
         unsafe {
             match chunk.len() {
-                3 => score_rows::<3>(seq, kv, nkv, hd, chunk, from, span, scratch),
-                2 => score_rows::<2>(seq, kv, nkv, hd, chunk, from, span, scratch),
-                _ => score_rows::<1>(seq, kv, nkv, hd, chunk, from, span, scratch),
+                3 => score_rows::<3>(seq, kv, nkv, hd, first, chunk, from, span, scratch),
+                2 => score_rows::<2>(seq, kv, nkv, hd, first, chunk, from, span, scratch),
+                _ => score_rows::<1>(seq, kv, nkv, hd, first, chunk, from, span, scratch),
             }
         }
     }
-    // Softmax per row over exactly the positions it sees; the rest become exact zeros.
+    // Softmax per row over exactly the positions of the block it sees; the rest become
+    // exact zeros. The block's maximum and sum go to the row's partial result.
     for (r, row) in rows.iter().enumerate() {
         let weights = &mut scratch.weights[r * span..(r + 1) * span];
         let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
@@ -122,12 +125,14 @@ pub(super) unsafe fn item_attend(
             // SAFETY: 8 floats (masked positions are −∞ and do not raise the maximum).
             max = _mm256_max_ps(max, unsafe { _mm256_loadu_ps(half.as_ptr()) });
         }
-        let max = _mm256_set1_ps(lane_max(max));
+        let block_max = lane_max(max);
+        let max = _mm256_set1_ps(block_max);
         // Per-lane sums, then the lanes in a fixed order: positions past `visible` add exact
         // zeros, so the sum does not depend on the item's span.
+        let seen_in_block = Scratch::seen_in_block(row, first);
         let mut sum = _mm256_setzero_ps();
         for (h, half) in weights.chunks_exact_mut(8).enumerate() {
-            let seen = row.visible.saturating_sub((h / 2) * KEY_TILE).min(KEY_TILE);
+            let seen = seen_in_block.saturating_sub((h / 2) * KEY_TILE).min(KEY_TILE);
             // SAFETY: 8 floats.
             let w = unsafe { _mm256_loadu_ps(half.as_ptr()) };
             let w = _mm256_and_ps(seen_mask(seen, h % 2), exp8(_mm256_sub_ps(w, max)));
@@ -135,7 +140,11 @@ pub(super) unsafe fn item_attend(
             unsafe { _mm256_storeu_ps(half.as_mut_ptr(), w) };
             sum = _mm256_add_ps(sum, w);
         }
-        scratch.inverse.push(1.0 / lane_sum(sum));
+        // SAFETY: the row's partial slot belongs to this call (the caller's contract).
+        unsafe {
+            *partials.get().add(row.partial) = block_max;
+            *partials.get().add(row.partial + 1) = lane_sum(sum);
+        }
     }
     // Weighted sums of values, a slice of the head at a time: each value load serves a chunk
     // of rows.
@@ -145,17 +154,23 @@ pub(super) unsafe fn item_attend(
             // SAFETY: as this function's.
             unsafe {
                 match chunk.len() {
-                    3 => sum_values::<3>(seq, kv, nkv, hd, slice, chunk, from, span, scratch, out),
-                    2 => sum_values::<2>(seq, kv, nkv, hd, slice, chunk, from, span, scratch, out),
-                    _ => sum_values::<1>(seq, kv, nkv, hd, slice, chunk, from, span, scratch, out),
+                    3 => sum_values::<3>(
+                        seq, kv, nkv, hd, first, slice, chunk, from, span, scratch, partials,
+                    ),
+                    2 => sum_values::<2>(
+                        seq, kv, nkv, hd, first, slice, chunk, from, span, scratch, partials,
+                    ),
+                    _ => sum_values::<1>(
+                        seq, kv, nkv, hd, first, slice, chunk, from, span, scratch, partials,
+                    ),
                 }
             }
         }
     }
 }
 
-/// Scores of `R` rows (scratch rows `from..from + R`) against every tile they see, masked
-/// to −∞ past each row's visible positions.
+/// Scores of `R` rows (scratch rows `from..from + R`) against every tile of the block (from
+/// position `first`) they see, masked to −∞ past each row's visible positions.
 ///
 /// # Safety
 /// As [`item_attend`].
@@ -166,22 +181,25 @@ unsafe fn score_rows<const R: usize>(
     kv: usize,
     nkv: usize,
     hd: usize,
+    first: usize,
     chunk: &[Row],
     from: usize,
     span: usize,
     scratch: &mut Scratch,
 ) {
     assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd && hd.is_multiple_of(SCORE_CHAINS));
+    assert!(first.is_multiple_of(KEY_TILE));
     let tile_floats = KEY_TILE * nkv * hd;
     let tiles = chunk
         .iter()
-        .map(|r| r.visible)
+        .map(|r| Scratch::seen_in_block(r, first))
         .max()
         .unwrap_or(0)
         .div_ceil(KEY_TILE);
+    let first_tile = first / KEY_TILE;
     let queries = &scratch.queries[from * hd..(from + R) * hd];
     for t in 0..tiles {
-        let tile = &seq.keys[t * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
+        let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
         // [row][chain][half of the tile]
         let mut acc = [[[_mm256_setzero_ps(); 2]; SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
@@ -199,7 +217,9 @@ unsafe fn score_rows<const R: usize>(
             }
         }
         for c in 0..R {
-            let seen = chunk[c].visible.saturating_sub(t * KEY_TILE).min(KEY_TILE);
+            let seen = Scratch::seen_in_block(&chunk[c], first)
+                .saturating_sub(t * KEY_TILE)
+                .min(KEY_TILE);
             let at = (from + c) * span + t * KEY_TILE;
             assert!(at + KEY_TILE <= scratch.weights.len());
             for half in 0..2 {
@@ -215,11 +235,11 @@ unsafe fn score_rows<const R: usize>(
     }
 }
 
-/// `out[row][slice..slice + 32] = Σⱼ weights[row][j] · values[j][slice..slice + 32] / Σⱼ
-/// weights[row][j]` for `R` rows (scratch rows `from..from + R`).
+/// `partial[row][slice..slice + 32] = Σⱼ weights[row][j] · values[first + j][slice..slice +
+/// 32]` over the block, unnormalised, for `R` rows (scratch rows `from..from + R`).
 ///
 /// # Safety
-/// As [`item_attend`]; each row's output slice belongs to this call.
+/// As [`item_attend`]; each row's partial slot belongs to this call.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sum_values<const R: usize>(
@@ -227,21 +247,26 @@ unsafe fn sum_values<const R: usize>(
     kv: usize,
     nkv: usize,
     hd: usize,
+    first: usize,
     slice: usize,
     chunk: &[Row],
     from: usize,
     span: usize,
     scratch: &Scratch,
-    out: SendPtr,
+    partials: SendPtr,
 ) {
     let stride = nkv * hd;
-    let positions = chunk.iter().map(|r| r.visible).max().unwrap_or(0);
-    assert!(chunk.len() == R && positions <= span && seq.values.len() >= positions * stride);
+    let positions = chunk
+        .iter()
+        .map(|r| Scratch::seen_in_block(r, first))
+        .max()
+        .unwrap_or(0);
+    assert!(chunk.len() == R && positions <= span && seq.values.len() >= (first + positions) * stride);
     assert!(scratch.weights.len() >= (from + R) * span && slice + 8 * VALUE_SLICE <= hd);
     let mut acc = [[_mm256_setzero_ps(); VALUE_SLICE]; R];
     for j in 0..positions {
-        // SAFETY: position j < positions of this KV head is in bounds (checked above).
-        let value = unsafe { seq.values.as_ptr().add(j * stride + kv * hd + slice) };
+        // SAFETY: position first + j of this KV head is in bounds (checked above).
+        let value = unsafe { seq.values.as_ptr().add((first + j) * stride + kv * hd + slice) };
         for g in 0..VALUE_SLICE {
             // SAFETY: as above; 8 floats at 8 g, inside the head (checked).
             let v = unsafe { _mm256_loadu_ps(value.add(8 * g)) };
@@ -253,14 +278,13 @@ unsafe fn sum_values<const R: usize>(
         }
     }
     for c in 0..R {
-        let inverse = _mm256_set1_ps(scratch.inverse[from + c]);
         for g in 0..VALUE_SLICE {
-            // SAFETY: the row's output slice (hd floats at its query offset) is inside `out`
-            // and written only by this item.
+            // SAFETY: the row's partial slot (2 + hd floats) lies in the partials and is
+            // written only by this item.
             unsafe {
                 _mm256_storeu_ps(
-                    out.get().add(chunk[c].query + slice + 8 * g),
-                    _mm256_mul_ps(acc[c][g], inverse),
+                    partials.get().add(chunk[c].partial + 2 + slice + 8 * g),
+                    acc[c][g],
                 )
             };
         }
