@@ -1,8 +1,8 @@
 //! `cargo bench -p specd-model --bench attention`: the cost of one pass's attention (30
 //! layers of SmolLM2-135M's shape: 9 query heads, 3 KV heads of 64) over caches at a given
 //! depth, for n scored rows of one sequence and for several sequences decoding together. It
-//! is the phase whose cost grows with depth and with sessions in a batch: the KV cache (f32,
-//! ~46 KB per position) is read once per pass, as the weights are.
+//! is the phase whose cost grows with depth and with sessions in a batch: the KV cache (f16,
+//! ~23 KB per position) is read once per pass, as the weights are.
 //!
 //! Before each run the CPU caches are flushed by streaming 64 MB, as a real pass's weight
 //! stream evicts the KV cache between one pass and the next. Each figure is the minimum
@@ -11,6 +11,7 @@
 
 use std::time::Instant;
 
+use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specd_model::attention::{AttentionShape, SequenceAttention, attend};
@@ -34,9 +35,13 @@ fn random(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
+fn random16(len: usize, rng: &mut ChaCha8Rng) -> Vec<f16> {
+    random(len, rng).into_iter().map(f16::from_f32).collect()
+}
+
 /// One sequence's cache for every layer, holding `positions` positions.
 struct Cache {
-    layers: Vec<(Vec<f32>, Vec<f32>)>,
+    layers: Vec<(Vec<f16>, Vec<f16>)>,
 }
 
 impl Cache {
@@ -48,7 +53,12 @@ impl Cache {
         };
         Self {
             layers: (0..LAYERS)
-                .map(|_| (random(key_positions * width, rng), random(positions * width, rng)))
+                .map(|_| {
+                    (
+                        random16(key_positions * width, rng),
+                        random16(positions * width, rng),
+                    )
+                })
                 .collect(),
         }
     }

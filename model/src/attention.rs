@@ -1,10 +1,13 @@
-//! Causal attention over host KV caches: dot products with exactly the keys a query row may
+//! Causal attention over host KV caches (f16, converted to f32 as they are read): dot products with exactly the keys a query row may
 //! see, softmax, weighted sum of values. Over tiled keys (AVX-512 or AVX2, see [`tiles`]) the rows
 //! reading one KV head share its loads; otherwise (portable code) each (query row, head) runs alone. Each
 //! row's result is computed by the same code whatever else is in the pass, so verifying K
 //! drafts in one pass gives bit-identical results to decoding them one by one, alone or
 //! batched with other sequences. All rows of all sequences of a pass are one pass over
 //! candle's thread pool.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::SendPtr;
 use crate::kv_cache::KeyLayout;
@@ -21,13 +24,13 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
-/// One sequence's part of a pass: its cache (values `[position][kv_head][head_dim]`, keys
-/// in `key_layout`, holding positions `0..start + n`) and its `n` new query rows, which
-/// follow the previous sequence's rows in the query matrix.
+/// One sequence's part of a pass: its cache (f16 values `[position][kv_head][head_dim]`,
+/// f16 keys in `key_layout`, holding positions `0..start + n`) and its `n` new query rows,
+/// which follow the previous sequence's rows in the query matrix.
 pub struct SequenceAttention<'a> {
-    pub keys: &'a [f32],
+    pub keys: &'a [f16],
     pub key_layout: KeyLayout,
-    pub values: &'a [f32],
+    pub values: &'a [f16],
     pub start: usize,
     pub n: usize,
 }
@@ -92,8 +95,8 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
 
 /// One query row of one head against the keys and values of its KV head.
 struct Head<'a> {
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: &'a [f16],
+    values: &'a [f16],
     /// Floats between positions, and this KV head's offset within a position.
     stride: usize,
     offset: usize,
@@ -110,8 +113,10 @@ impl Head<'_> {
         let hd = q.len();
         scores.clear();
         let mut max = f32::NEG_INFINITY;
+        let mut key = vec![0f32; hd];
         for j in 0..self.visible {
-            let s = dot(q, self.key(j, hd)) * self.scale;
+            self.key(j, hd).convert_to_f32_slice(&mut key);
+            let s = dot(q, &key) * self.scale;
             max = max.max(s);
             scores.push(s);
         }
@@ -120,19 +125,21 @@ impl Head<'_> {
         }
         let inv = 1.0 / scores.iter().sum::<f32>();
         dst.fill(0.0);
+        let mut value = key;
         for (j, &p) in scores.iter().enumerate() {
             let w = p * inv;
-            for (d, &x) in dst.iter_mut().zip(self.value(j, hd)) {
+            self.value(j, hd).convert_to_f32_slice(&mut value);
+            for (d, &x) in dst.iter_mut().zip(&value) {
                 *d += w * x;
             }
         }
     }
 
-    fn key(&self, j: usize, hd: usize) -> &[f32] {
+    fn key(&self, j: usize, hd: usize) -> &[f16] {
         &self.keys[j * self.stride + self.offset..][..hd]
     }
 
-    fn value(&self, j: usize, hd: usize) -> &[f32] {
+    fn value(&self, j: usize, hd: usize) -> &[f16] {
         &self.values[j * self.stride + self.offset..][..hd]
     }
 }

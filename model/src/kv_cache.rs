@@ -2,13 +2,16 @@
 //! to any length (rollback after a rejected draft) and records the tokens it holds, so a
 //! caller can reuse the longest common prefix of a new context.
 //!
-//! On the CPU keys and values are plain f32 buffers read directly by [`crate::attention`]:
+//! On the CPU keys and values are plain f16 buffers (as llama.cpp's default cache; attention
+//! is bound by reading them, and f16 halves that) read directly by [`crate::attention`]:
 //! values `[position][kv_head][head_dim]`, keys the same or, for the AVX-512 and AVX2 attention,
 //! in tiles of [`KEY_TILE`] positions `[tile][kv_head][head_dim][position in tile]` (see
 //! [`KeyLayout`]); on other devices they are candle tensors `[kv_head, capacity, head_dim]`
 //! grown by doubling.
 
 use candle_core::{DType, Device, Tensor};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
@@ -24,7 +27,7 @@ pub const KEY_TILE: usize = 16;
 pub enum KeyLayout {
     /// `[position][kv_head][head_dim]`, like the values.
     Positions,
-    /// `[tile][kv_head][head_dim][KEY_TILE]`: one 16-float load (two with AVX2) holds one dimension of 16
+    /// `[tile][kv_head][head_dim][KEY_TILE]`: one 16-value load (two with AVX2) holds one dimension of 16
     /// positions, so scores for 16 positions are plain multiply-adds, with no horizontal
     /// sums. Positions past the cached length in the last tile hold stale values and are
     /// never read as scores (attention masks them).
@@ -45,7 +48,7 @@ impl KeyLayout {
 
 /// Keys and values of one layer.
 enum LayerCache {
-    Host { keys: Vec<f32>, values: Vec<f32> },
+    Host { keys: Vec<f16>, values: Vec<f16> },
     Device { keys: Tensor, values: Tensor },
 }
 
@@ -119,7 +122,7 @@ impl KvCache {
         self.layers
             .iter()
             .map(|layer| match layer {
-                LayerCache::Host { keys, values } => (keys.capacity() + values.capacity()) * 4,
+                LayerCache::Host { keys, values } => (keys.capacity() + values.capacity()) * 2,
                 LayerCache::Device { .. } => self.capacity * per_position,
             })
             .sum()
@@ -130,7 +133,7 @@ impl KvCache {
         self.key_layout
     }
 
-    /// Floats of host keys holding positions `0..len`.
+    /// Values of host keys holding positions `0..len`.
     fn key_floats(&self, len: usize) -> usize {
         let per_position = self.n_head_kv * self.head_dim;
         match self.key_layout {
@@ -195,7 +198,7 @@ impl KvCache {
     }
 
     /// Writes keys and values `[n, n_head_kv * head_dim]` (keys rotated) of layer `layer`
-    /// of a host cache at positions `start..start + n`.
+    /// of a host cache at positions `start..start + n`, rounded to f16 (nearest even).
     pub(crate) fn write_host(
         &mut self,
         layer: usize,
@@ -210,17 +213,15 @@ impl KvCache {
         let key_floats = self.key_floats(start + n);
         match &mut self.layers[layer] {
             LayerCache::Host { keys: k, values: v } => {
-                v.truncate(floats);
-                v.extend_from_slice(values);
+                append_f16(v, floats, values);
                 match key_layout {
-                    KeyLayout::Positions => {
-                        k.truncate(floats);
-                        k.extend_from_slice(keys);
-                    }
+                    KeyLayout::Positions => append_f16(k, floats, keys),
                     KeyLayout::Tiles => {
-                        k.resize(key_floats, 0.0);
+                        let mut rounded = vec![f16::ZERO; keys.len()];
+                        rounded.convert_from_f32_slice(keys);
+                        k.resize(key_floats, f16::ZERO);
                         let tile_floats = KEY_TILE * per_position;
-                        for (i, key) in keys.chunks_exact(per_position).enumerate() {
+                        for (i, key) in rounded.chunks_exact(per_position).enumerate() {
                             let p = start + i;
                             let tile = &mut k[(p / KEY_TILE) * tile_floats..][..tile_floats];
                             // Element d = kv_head · head_dim + dim of the position.
@@ -239,7 +240,7 @@ impl KvCache {
     }
 
     /// Keys and values of layer `layer` of a host cache.
-    pub(crate) fn host_layer(&self, layer: usize) -> Result<(&[f32], &[f32])> {
+    pub(crate) fn host_layer(&self, layer: usize) -> Result<(&[f16], &[f16])> {
         match &self.layers[layer] {
             LayerCache::Host { keys, values } => Ok((keys, values)),
             LayerCache::Device { .. } => {
@@ -280,4 +281,12 @@ impl KvCache {
     pub(crate) fn commit(&mut self, tokens: &[u32]) {
         self.tokens.extend_from_slice(tokens);
     }
+}
+
+/// Cuts `buffer` to `len` values and appends `values` rounded to f16 (F16C where the CPU
+/// has it; the same rounding without).
+fn append_f16(buffer: &mut Vec<f16>, len: usize, values: &[f32]) {
+    buffer.truncate(len);
+    buffer.resize(len + values.len(), f16::ZERO);
+    buffer[len..].convert_from_f32_slice(values);
 }

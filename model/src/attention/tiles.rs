@@ -23,6 +23,8 @@
 
 use std::arch::x86_64::*;
 
+use half::f16;
+
 mod avx2;
 
 use super::{AttentionShape, EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
@@ -239,6 +241,17 @@ fn combine(partials: &[f32], hd: usize, dst: &mut [f32]) {
     }
 }
 
+/// 16 f16 values from `at` as floats.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; 16 values from `at` must be readable.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load16(at: *const f16) -> __m512 {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i)) }
+}
+
 /// [`super::exp`] on 16 lanes (the same polynomial, so within 2 ulp of `f32::exp`).
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
@@ -424,28 +437,28 @@ unsafe fn score_rows<const R: usize>(
     for t in 0..tiles {
         let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
         // The first chunk of rows asks for the next key tile, and for this tile's values
-        // (read next by `sum_values`): two cache lines per step below.
+        // (read next by `sum_values`): hd / 2 cache lines each, one of each every other step.
         let next_keys = tile.as_ptr().wrapping_add(tile_floats);
         let values = seq
             .values
             .as_ptr()
             .wrapping_add((first + t * KEY_TILE) * value_stride + kv * hd);
-        let (line_floats, prefetch) = (16, from == 0);
-        let lines_per_value = hd / line_floats;
+        let (line_values, prefetch) = (32, from == 0);
+        let lines_per_value = hd / line_values;
         let mut acc = [[_mm512_setzero_ps(); SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
-                if prefetch {
-                    // hd steps: one line of the next key tile and one of 16 positions' values.
-                    let step = d + a;
-                    _mm_prefetch::<_MM_HINT_T0>(next_keys.wrapping_add(step * KEY_TILE) as *const i8);
-                    let (position, line) = (step / lines_per_value, step % lines_per_value);
+                let step = d + a;
+                if prefetch && step % 2 == 0 {
+                    let line = step / 2;
+                    _mm_prefetch::<_MM_HINT_T0>(next_keys.wrapping_add(line * line_values) as *const i8);
+                    let (position, part) = (line / lines_per_value, line % lines_per_value);
                     _mm_prefetch::<_MM_HINT_T0>(
-                        values.wrapping_add(position * value_stride + line * line_floats) as *const i8,
+                        values.wrapping_add(position * value_stride + part * line_values) as *const i8,
                     );
                 }
-                // SAFETY: the tile holds hd rows of 16 floats (hd a multiple of 4).
-                let keys = unsafe { _mm512_loadu_ps(tile.as_ptr().add((d + a) * KEY_TILE)) };
+                // SAFETY: the tile holds hd rows of 16 values (hd a multiple of 4).
+                let keys = unsafe { load16(tile.as_ptr().add(step * KEY_TILE)) };
                 for c in 0..R {
                     let q = _mm512_set1_ps(queries[c * hd + d + a]);
                     acc[c][a] = _mm512_fmadd_ps(q, keys, acc[c][a]);
@@ -503,8 +516,8 @@ unsafe fn sum_values<const R: usize, const G: usize>(
         // SAFETY: position first + j of this KV head is in bounds (checked above).
         let value = unsafe { seq.values.as_ptr().add((first + j) * stride + kv * hd) };
         for g in 0..G {
-            // SAFETY: as above; 16 floats at 16 g < hd.
-            let v = unsafe { _mm512_loadu_ps(value.add(16 * g)) };
+            // SAFETY: as above; 16 values at 16 g < hd.
+            let v = unsafe { load16(value.add(16 * g)) };
             for c in 0..R {
                 // SAFETY: row from + c's weights hold span >= positions floats (checked).
                 let w = _mm512_set1_ps(unsafe { *scratch.weights.get_unchecked((from + c) * span + j) });
@@ -523,6 +536,8 @@ unsafe fn sum_values<const R: usize, const G: usize>(
 
 #[cfg(test)]
 mod tests {
+    use half::f16;
+
     use super::super::{AttentionShape, SequenceAttention, attend};
     use crate::kernels::Kernel;
     use crate::kv_cache::{KEY_TILE, KeyLayout};
@@ -533,9 +548,13 @@ mod tests {
             .collect()
     }
 
+    fn noise16(len: usize, seed: usize) -> Vec<f16> {
+        noise(len, seed).into_iter().map(f16::from_f32).collect()
+    }
+
     /// `[position][kv][dim]` keys regrouped as `[tile][kv][dim][16]`.
-    fn tiled(keys: &[f32], positions: usize, width: usize) -> Vec<f32> {
-        let mut out = vec![0f32; positions.div_ceil(KEY_TILE) * KEY_TILE * width];
+    fn tiled(keys: &[f16], positions: usize, width: usize) -> Vec<f16> {
+        let mut out = vec![f16::ZERO; positions.div_ceil(KEY_TILE) * KEY_TILE * width];
         for p in 0..positions {
             for d in 0..width {
                 out[(p / KEY_TILE) * KEY_TILE * width + d * KEY_TILE + p % KEY_TILE] = keys[p * width + d];
@@ -545,9 +564,9 @@ mod tests {
     }
 
     struct Cache {
-        keys: Vec<f32>,
-        tiles: Vec<f32>,
-        values: Vec<f32>,
+        keys: Vec<f16>,
+        tiles: Vec<f16>,
+        values: Vec<f16>,
         start: usize,
         n: usize,
     }
@@ -627,11 +646,11 @@ mod tests {
             .enumerate()
             .map(|(s, &(start, n))| {
                 let positions = start + n;
-                let keys = noise(positions * width, 11 + s);
+                let keys = noise16(positions * width, 11 + s);
                 Cache {
                     tiles: tiled(&keys, positions, width),
                     keys,
-                    values: noise(positions * width, 23 + s),
+                    values: noise16(positions * width, 23 + s),
                     start,
                     n,
                 }

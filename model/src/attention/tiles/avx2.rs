@@ -12,6 +12,8 @@
 
 use std::arch::x86_64::*;
 
+use half::f16;
+
 use super::super::{EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
 use super::{AttentionShape, Row, Scratch};
 use crate::kernels::SendPtr;
@@ -28,7 +30,7 @@ const VALUE_ROWS: usize = 3;
 
 /// [`super::super::exp`] on 8 lanes (the same polynomial and operations).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(87.0));
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -45,6 +47,17 @@ fn exp8(x: __m256) -> __m256 {
     }
     let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
     _mm256_mul_ps(p, _mm256_castsi256_ps(bits))
+}
+
+/// 8 f16 values from `at` as floats.
+///
+/// # Safety
+/// The CPU must have F16C; 8 values from `at` must be readable.
+#[inline]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn load8(at: *const f16) -> __m256 {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i)) }
 }
 
 /// All-ones lanes for the positions of half `half` (0: tile positions 0..8, 1: 8..16) below
@@ -88,9 +101,9 @@ fn lane_max(v: __m256) -> f32 {
 /// position `first` (see `super::item_attend`); writes each row's partial result.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; the sizes are as `super::attend` checks them; every row
+/// The CPU must have AVX2, FMA and F16C; the sizes are as `super::attend` checks them; every row
 /// sees into the block, and its partial slot lies in `partials` and belongs to this call.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn item_attend(
     shape: &AttentionShape,
@@ -174,7 +187,7 @@ pub(super) unsafe fn item_attend(
 ///
 /// # Safety
 /// As [`item_attend`].
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn score_rows<const R: usize>(
     seq: &SequenceAttention<'_>,
@@ -207,7 +220,7 @@ unsafe fn score_rows<const R: usize>(
                 // SAFETY: the tile holds hd rows of 16 floats.
                 let keys = unsafe {
                     let at = tile.as_ptr().add((d + a) * KEY_TILE);
-                    [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
+                    [load8(at), load8(at.add(8))]
                 };
                 for c in 0..R {
                     let q = _mm256_set1_ps(queries[c * hd + d + a]);
@@ -240,7 +253,7 @@ unsafe fn score_rows<const R: usize>(
 ///
 /// # Safety
 /// As [`item_attend`]; each row's partial slot belongs to this call.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sum_values<const R: usize>(
     seq: &SequenceAttention<'_>,
@@ -269,7 +282,7 @@ unsafe fn sum_values<const R: usize>(
         let value = unsafe { seq.values.as_ptr().add((first + j) * stride + kv * hd + slice) };
         for g in 0..VALUE_SLICE {
             // SAFETY: as above; 8 floats at 8 g, inside the head (checked).
-            let v = unsafe { _mm256_loadu_ps(value.add(8 * g)) };
+            let v = unsafe { load8(value.add(8 * g)) };
             for c in 0..R {
                 // SAFETY: row from + c's weights hold span >= positions floats (checked).
                 let w = _mm256_set1_ps(unsafe { *scratch.weights.get_unchecked((from + c) * span + j) });
