@@ -241,6 +241,59 @@ fn combine(partials: &[f32], hd: usize, dst: &mut [f32]) {
     }
 }
 
+/// What a tile's scoring asks the memory system for ahead of use: the next key tile and
+/// this tile's 16 positions of values (read next by the value sums). Each is hd / 2 cache
+/// lines, so over the tile's hd steps one line of each every other step.
+struct Ahead {
+    next_keys: *const f16,
+    values: *const f16,
+    value_stride: usize,
+    /// log2 of the cache lines of one position's values (hd / 32, a power of two).
+    value_lines_log2: u32,
+}
+
+impl Ahead {
+    /// Values per cache line.
+    const LINE: usize = 32;
+
+    #[inline(always)]
+    fn new(seq: &SequenceAttention<'_>, kv: usize, nkv: usize, hd: usize, tile: usize) -> Self {
+        let value_stride = nkv * hd;
+        Self {
+            next_keys: seq
+                .keys
+                .as_ptr()
+                .wrapping_add(((tile + 1) * nkv + kv) * hd * KEY_TILE),
+            values: seq
+                .values
+                .as_ptr()
+                .wrapping_add((tile * KEY_TILE * nkv + kv) * hd),
+            value_stride,
+            value_lines_log2: (hd / Self::LINE).trailing_zeros(),
+        }
+    }
+
+    /// Step `step` (0..hd) of the tile's scoring. The hints may name any address (past the
+    /// cache they are dropped) and never fault.
+    #[inline(always)]
+    fn ask(&self, step: usize) {
+        if step.is_multiple_of(2) {
+            let line = step / 2;
+            let shift = self.value_lines_log2;
+            let (position, part) = (line >> shift, line & ((1 << shift) - 1));
+            // SAFETY: prefetch hints only (SSE is baseline on x86-64).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.next_keys.wrapping_add(line * Self::LINE) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(
+                    self.values
+                        .wrapping_add(position * self.value_stride + part * Self::LINE)
+                        as *const i8,
+                );
+            }
+        }
+    }
+}
+
 /// 16 f16 values from `at` as floats.
 ///
 /// # Safety
@@ -433,29 +486,15 @@ unsafe fn score_rows<const R: usize>(
         .div_ceil(KEY_TILE);
     let first_tile = first / KEY_TILE;
     let queries = &scratch.queries[from * hd..(from + R) * hd];
-    let value_stride = nkv * hd;
     for t in 0..tiles {
         let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
-        // The first chunk of rows asks for the next key tile, and for this tile's values
-        // (read next by `sum_values`): hd / 2 cache lines each, one of each every other step.
-        let next_keys = tile.as_ptr().wrapping_add(tile_floats);
-        let values = seq
-            .values
-            .as_ptr()
-            .wrapping_add((first + t * KEY_TILE) * value_stride + kv * hd);
-        let (line_values, prefetch) = (32, from == 0);
-        let lines_per_value = hd / line_values;
+        let ahead = Ahead::new(seq, kv, nkv, hd, first_tile + t);
         let mut acc = [[_mm512_setzero_ps(); SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
                 let step = d + a;
-                if prefetch && step % 2 == 0 {
-                    let line = step / 2;
-                    _mm_prefetch::<_MM_HINT_T0>(next_keys.wrapping_add(line * line_values) as *const i8);
-                    let (position, part) = (line / lines_per_value, line % lines_per_value);
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        values.wrapping_add(position * value_stride + part * line_values) as *const i8,
-                    );
+                if from == 0 {
+                    ahead.ask(step);
                 }
                 // SAFETY: the tile holds hd rows of 16 values (hd a multiple of 4).
                 let keys = unsafe { load16(tile.as_ptr().add(step * KEY_TILE)) };

@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::super::{EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
-use super::{AttentionShape, Row, Scratch};
+use super::{Ahead, AttentionShape, Row, Scratch};
 use crate::kernels::SendPtr;
 use crate::kv_cache::KEY_TILE;
 
@@ -214,9 +214,13 @@ unsafe fn score_rows<const R: usize>(
     for t in 0..tiles {
         let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
         // [row][chain][half of the tile]
+        let ahead = Ahead::new(seq, kv, nkv, hd, first_tile + t);
         let mut acc = [[[_mm256_setzero_ps(); 2]; SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
+                if from == 0 {
+                    ahead.ask(d + a);
+                }
                 // SAFETY: the tile holds hd rows of 16 floats.
                 let keys = unsafe {
                     let at = tile.as_ptr().add((d + a) * KEY_TILE);
