@@ -148,6 +148,18 @@ unsafe fn attend_with(
         let partials_ptr = SendPtr(partials.as_mut_ptr());
         let partial_at =
             |row: usize, head: usize, block: usize| ((row * nh + head) * max_blocks + block) * floats;
+        type AttendItem = unsafe fn(
+            &AttentionShape,
+            &SequenceAttention<'_>,
+            usize,
+            usize,
+            &[Row],
+            &[f32],
+            f32,
+            &mut Scratch,
+            SendPtr,
+        );
+        let attend_item: AttendItem = if avx512 { item_attend } else { avx2::item_attend };
         candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
             SCRATCH.with_borrow_mut(|scratch| {
                 // The row list is reused from item to item (taken out while the scratch is lent).
@@ -169,31 +181,17 @@ unsafe fn attend_with(
                     // bounds checked above and in `item_attend`; each (row, head, block) partial
                     // belongs to one item.
                     unsafe {
-                        if avx512 {
-                            item_attend(
-                                shape,
-                                seq,
-                                item.kv,
-                                first,
-                                &rows,
-                                queries,
-                                scale,
-                                scratch,
-                                partials_ptr,
-                            )
-                        } else {
-                            avx2::item_attend(
-                                shape,
-                                seq,
-                                item.kv,
-                                first,
-                                &rows,
-                                queries,
-                                scale,
-                                scratch,
-                                partials_ptr,
-                            )
-                        }
+                        attend_item(
+                            shape,
+                            seq,
+                            item.kv,
+                            first,
+                            &rows,
+                            queries,
+                            scale,
+                            scratch,
+                            partials_ptr,
+                        )
                     };
                 }
                 scratch.rows = rows;
@@ -366,6 +364,14 @@ impl Scratch {
     fn seen_in_block(row: &Row, first: usize) -> usize {
         row.visible.min(first + BLOCK_POSITIONS) - first
     }
+
+    /// Positions of the block (from `first`) that the longest of `rows` sees.
+    fn seen_by_any(rows: &[Row], first: usize) -> usize {
+        rows.iter()
+            .map(|r| Self::seen_in_block(r, first))
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// One work item: `rows` of sequence `seq` against the block of KV head `kv` that starts at
@@ -478,12 +484,7 @@ unsafe fn score_rows<const R: usize>(
 ) {
     assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd && first.is_multiple_of(KEY_TILE));
     let tile_floats = KEY_TILE * nkv * hd;
-    let tiles = chunk
-        .iter()
-        .map(|r| Scratch::seen_in_block(r, first))
-        .max()
-        .unwrap_or(0)
-        .div_ceil(KEY_TILE);
+    let tiles = Scratch::seen_by_any(chunk, first).div_ceil(KEY_TILE);
     let first_tile = first / KEY_TILE;
     let queries = &scratch.queries[from * hd..(from + R) * hd];
     for t in 0..tiles {
@@ -543,11 +544,7 @@ unsafe fn sum_values<const R: usize, const G: usize>(
 ) {
     let hd = 16 * G;
     let stride = nkv * hd;
-    let positions = chunk
-        .iter()
-        .map(|r| Scratch::seen_in_block(r, first))
-        .max()
-        .unwrap_or(0);
+    let positions = Scratch::seen_by_any(chunk, first);
     assert!(chunk.len() == R && positions <= span && seq.values.len() >= (first + positions) * stride);
     assert!(scratch.weights.len() >= (from + R) * span);
     let mut acc = [[_mm512_setzero_ps(); G]; R];

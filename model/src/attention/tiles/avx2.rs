@@ -203,12 +203,7 @@ unsafe fn score_rows<const R: usize>(
     assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd && hd.is_multiple_of(SCORE_CHAINS));
     assert!(first.is_multiple_of(KEY_TILE));
     let tile_floats = KEY_TILE * nkv * hd;
-    let tiles = chunk
-        .iter()
-        .map(|r| Scratch::seen_in_block(r, first))
-        .max()
-        .unwrap_or(0)
-        .div_ceil(KEY_TILE);
+    let tiles = Scratch::seen_by_any(chunk, first).div_ceil(KEY_TILE);
     let first_tile = first / KEY_TILE;
     let queries = &scratch.queries[from * hd..(from + R) * hd];
     for t in 0..tiles {
@@ -273,11 +268,7 @@ unsafe fn sum_values<const R: usize>(
     partials: SendPtr,
 ) {
     let stride = nkv * hd;
-    let positions = chunk
-        .iter()
-        .map(|r| Scratch::seen_in_block(r, first))
-        .max()
-        .unwrap_or(0);
+    let positions = Scratch::seen_by_any(chunk, first);
     assert!(chunk.len() == R && positions <= span && seq.values.len() >= (first + positions) * stride);
     assert!(scratch.weights.len() >= (from + R) * span && slice + 8 * VALUE_SLICE <= hd);
     let mut acc = [[_mm256_setzero_ps(); VALUE_SLICE]; R];
