@@ -1,5 +1,5 @@
-//! Causal attention over host KV caches (f16, converted to f32 as they are read): dot products with exactly the keys a query row may
-//! see, softmax, weighted sum of values. Over tiled keys (AVX-512 or AVX2, see [`tiles`]) the rows
+//! Causal attention over host KV caches (f16, converted to f32 as they are read): dot
+//! products with exactly the keys a query row may see, softmax, weighted sum of values. Over tiled keys (AVX-512 or AVX2, see [`tiles`]) the rows
 //! reading one KV head share its loads; otherwise (portable code) each (query row, head) runs alone. Each
 //! row's result is computed by the same code whatever else is in the pass, so verifying K
 //! drafts in one pass gives bit-identical results to decoding them one by one, alone or
@@ -68,7 +68,9 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
     candle_core::utils::barrier_pool().execute_chunked(rows * nh, |items| {
-        let mut scores = Vec::new();
+        // Reused from (row, head) to (row, head): scores, and one position's keys or values
+        // as floats.
+        let (mut scores, mut position) = (Vec::new(), Vec::new());
         for item in items {
             let (row, h) = (item / nh, item % nh);
             let which = first_row.partition_point(|&r| r <= row) - 1;
@@ -88,7 +90,7 @@ pub fn attend(shape: &AttentionShape, queries: &[f32], sequences: &[SequenceAtte
                 visible,
                 scale,
             };
-            head.attend(q, &mut scores, dst);
+            head.attend(q, &mut scores, &mut position, dst);
         }
     });
 }
@@ -105,7 +107,7 @@ struct Head<'a> {
 }
 
 impl Head<'_> {
-    fn attend(&self, q: &[f32], scores: &mut Vec<f32>, dst: &mut [f32]) {
+    fn attend(&self, q: &[f32], scores: &mut Vec<f32>, position: &mut Vec<f32>, dst: &mut [f32]) {
         assert!(
             self.visible * self.stride <= self.keys.len().min(self.values.len())
                 && self.offset + q.len() <= self.stride
@@ -113,10 +115,10 @@ impl Head<'_> {
         let hd = q.len();
         scores.clear();
         let mut max = f32::NEG_INFINITY;
-        let mut key = vec![0f32; hd];
+        position.resize(hd, 0.0);
         for j in 0..self.visible {
-            self.key(j, hd).convert_to_f32_slice(&mut key);
-            let s = dot(q, &key) * self.scale;
+            self.key(j, hd).convert_to_f32_slice(position);
+            let s = dot(q, position) * self.scale;
             max = max.max(s);
             scores.push(s);
         }
@@ -125,11 +127,10 @@ impl Head<'_> {
         }
         let inv = 1.0 / scores.iter().sum::<f32>();
         dst.fill(0.0);
-        let mut value = key;
         for (j, &p) in scores.iter().enumerate() {
             let w = p * inv;
-            self.value(j, hd).convert_to_f32_slice(&mut value);
-            for (d, &x) in dst.iter_mut().zip(&value) {
+            self.value(j, hd).convert_to_f32_slice(position);
+            for (d, &x) in dst.iter_mut().zip(position.iter()) {
                 *d += w * x;
             }
         }

@@ -40,7 +40,7 @@ const SCORE_CHAINS: usize = 4;
 const VALUE_REGISTERS: usize = 24;
 /// Cached positions per block (a multiple of the key tile): a work item's span, and the unit
 /// in which a row's partial results are combined.
-pub(super) const BLOCK_POSITIONS: usize = 64;
+const BLOCK_POSITIONS: usize = 64;
 /// Most query rows in one work item; an item of more rows (a prompt chunk) is split, as its
 /// arithmetic outweighs reading the block once more.
 const ITEM_ROWS: usize = 48;
@@ -348,8 +348,7 @@ impl Scratch {
     /// fewer tiles than the item's longest leaves the rest so). Returns the span: the
     /// positions of the block the longest row sees, in whole tiles.
     fn prepare(&mut self, rows: &[Row], queries: &[f32], hd: usize, scale: f32, first: usize) -> usize {
-        let longest = rows.iter().map(|r| r.visible).max().unwrap_or(0);
-        let span = (longest.min(first + BLOCK_POSITIONS) - first).div_ceil(KEY_TILE) * KEY_TILE;
+        let span = Self::seen_by_any(rows, first).div_ceil(KEY_TILE) * KEY_TILE;
         self.queries.clear();
         for row in rows {
             self.queries

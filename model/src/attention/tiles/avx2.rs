@@ -208,15 +208,15 @@ unsafe fn score_rows<const R: usize>(
     let queries = &scratch.queries[from * hd..(from + R) * hd];
     for t in 0..tiles {
         let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
-        // [row][chain][half of the tile]
         let ahead = Ahead::new(seq, kv, nkv, hd, first_tile + t);
+        // [row][chain][half of the tile]
         let mut acc = [[[_mm256_setzero_ps(); 2]; SCORE_CHAINS]; R];
         for d in (0..hd).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
                 if from == 0 {
                     ahead.ask(d + a);
                 }
-                // SAFETY: the tile holds hd rows of 16 floats.
+                // SAFETY: the tile holds hd rows of 16 values.
                 let keys = unsafe {
                     let at = tile.as_ptr().add((d + a) * KEY_TILE);
                     [load8(at), load8(at.add(8))]
