@@ -14,11 +14,19 @@
 //! `T(P + S · (1 + k)) · S · (1 + k) / (P + S · (1 + k))`. Without prompts this is the whole
 //! pass; in passes that run for prompts anyway, drafts save no pass and only add rows, so
 //! they pay only when nearly every one is kept.
+//!
+//! A saturated verifier has more sessions than its passes take: calls wait in its queue.
+//! There a draft row takes the place of another session's token, not of idle time, so `S`
+//! counts the sessions sharing the verifier, not only those in a pass: in a closed loop
+//! where each call waits q in the queue and f in its pass, `S · (1 + q / f)` (Little's law).
 
 use std::sync::Mutex;
 
 /// Weight of the newest sample in the moving averages.
 const EMA_WEIGHT: f64 = 0.2;
+/// Most that one call's queue wait counts, in passes: a first step's wait includes its
+/// prompt's earlier chunks, which says little about the sessions sharing the verifier.
+const QUEUED_PASSES_CAP: f64 = 4.0;
 /// Pass sizes (tokens) whose time is tracked one by one; larger passes extrapolate.
 pub const PASS_TABLE: usize = 256;
 /// A pass counts for at most this many times the estimate it updates. Noise on a shared
@@ -48,6 +56,9 @@ struct Costs {
     /// Sessions in the verifier's recent passes, and other sequences' prompt tokens there.
     sessions: f64,
     others_prompt_tokens: f64,
+    /// A call's wait in the verifier's queue over its pass's time (see the module
+    /// documentation).
+    queued_passes: f64,
 }
 
 impl Default for CostModel {
@@ -64,6 +75,7 @@ impl Default for CostModel {
                 draft_per_token: 0.0,
                 sessions: 1.0,
                 others_prompt_tokens: 0.0,
+                queued_passes: 0.0,
             }),
         }
     }
@@ -100,6 +112,10 @@ impl CostModel {
         c.round_trip = ema(c.round_trip, round_trip);
         c.sessions = ema(c.sessions, f64::from(batch_size.max(1)));
         c.others_prompt_tokens = ema(c.others_prompt_tokens, f64::from(others_prompt_tokens));
+        if forward_seconds > 0.0 {
+            let queued = (queue_seconds / forward_seconds).clamp(0.0, QUEUED_PASSES_CAP);
+            c.queued_passes = ema(c.queued_passes, queued);
+        }
     }
 
     /// Records a drafter call that proposed `k` tokens in `seconds`.
@@ -118,7 +134,9 @@ impl CostModel {
     pub fn relative_values(&self, expected: &[f64]) -> Vec<f64> {
         let c = self.lock();
         let curve = c.curve();
-        let sessions = c.sessions.max(1.0);
+        // Sessions sharing the verifier: those in its passes, and as many again per pass
+        // a call waits in its queue.
+        let sessions = c.sessions.max(1.0) * (1.0 + c.queued_passes);
         let step = |k: usize| {
             let rows = sessions * (1 + k) as f64;
             let all = rows + c.others_prompt_tokens;
@@ -377,6 +395,48 @@ mod tests {
         assert!(best_k(&model, 0.97) > 0);
         set_load(&model, 1);
         assert_eq!(best_k(&model, 0.7), alone);
+    }
+
+    #[test]
+    fn a_saturated_verifier_counts_the_sessions_waiting_in_its_queue() {
+        let model = cpu_curve();
+        set_load(&model, 2);
+        assert!(best_k(&model, 0.8) >= 2, "two sessions alone share cheap passes");
+        // The same two-session passes, but every call waits three passes in the queue:
+        // eight sessions share the verifier, and a draft row displaces another's token.
+        for _ in 0..60 {
+            model.record_verify(VerifyCall {
+                batch_size: 2,
+                batch_tokens: 2,
+                forward_seconds: 0.0104,
+                queue_seconds: 3.0 * 0.0104,
+                call_seconds: 4.0 * 0.0104,
+                ..VerifyCall::default()
+            });
+        }
+        assert!((model.lock().queued_passes - 3.0).abs() < 1e-3);
+        assert_eq!(best_k(&model, 0.8), 0);
+        // A wait of a whole prompt's chunks counts as QUEUED_PASSES_CAP passes at most.
+        model.record_verify(VerifyCall {
+            batch_size: 2,
+            batch_tokens: 2,
+            forward_seconds: 0.0104,
+            queue_seconds: 10.0,
+            call_seconds: 10.02,
+            ..VerifyCall::default()
+        });
+        assert!(model.lock().queued_passes <= QUEUED_PASSES_CAP);
+        // The queue drained: the passes' own sessions again.
+        for _ in 0..60 {
+            model.record_verify(VerifyCall {
+                batch_size: 2,
+                batch_tokens: 2,
+                forward_seconds: 0.0104,
+                call_seconds: 0.0104,
+                ..VerifyCall::default()
+            });
+        }
+        assert!(best_k(&model, 0.8) >= 2);
     }
 
     #[test]
