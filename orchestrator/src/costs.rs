@@ -24,8 +24,8 @@ use std::sync::Mutex;
 
 /// Weight of the newest sample in the moving averages.
 const EMA_WEIGHT: f64 = 0.2;
-/// Most that one call's queue wait counts, in passes: a first step's wait includes its
-/// prompt's earlier chunks, which says little about the sessions sharing the verifier.
+/// Most that one call's queue wait counts, in passes (a long stall says little about how
+/// many sessions share the verifier).
 const QUEUED_PASSES_CAP: f64 = 4.0;
 /// Pass sizes (tokens) whose time is tracked one by one; larger passes extrapolate.
 pub const PASS_TABLE: usize = 256;
@@ -91,6 +91,7 @@ impl CostModel {
             forward_seconds,
             queue_seconds,
             call_seconds,
+            computed_context,
         } = call;
         let mut c = self.lock();
         let n = batch_tokens as usize;
@@ -112,7 +113,8 @@ impl CostModel {
         c.round_trip = ema(c.round_trip, round_trip);
         c.sessions = ema(c.sessions, f64::from(batch_size.max(1)));
         c.others_prompt_tokens = ema(c.others_prompt_tokens, f64::from(others_prompt_tokens));
-        if forward_seconds > 0.0 {
+        // A call that computed context (a prompt) waited for its earlier chunks' passes too.
+        if forward_seconds > 0.0 && computed_context == 0 {
             let queued = (queue_seconds / forward_seconds).clamp(0.0, QUEUED_PASSES_CAP);
             c.queued_passes = ema(c.queued_passes, queued);
         }
@@ -261,6 +263,9 @@ pub struct VerifyCall {
     /// Time the call waited for the engine, and the whole call as the caller saw it.
     pub queue_seconds: f64,
     pub call_seconds: f64,
+    /// Tokens the call computed beyond its drafts and last accepted token (a prompt, or
+    /// context the replica had not cached).
+    pub computed_context: u32,
 }
 
 fn ema(old: f64, sample: f64) -> f64 {
@@ -416,14 +421,22 @@ mod tests {
         }
         assert!((model.lock().queued_passes - 3.0).abs() < 1e-3);
         assert_eq!(best_k(&model, 0.8), 0);
-        // A wait of a whole prompt's chunks counts as QUEUED_PASSES_CAP passes at most.
-        model.record_verify(VerifyCall {
+        // A prompt's wait (behind its own earlier chunks) does not count, and a long stall
+        // counts as QUEUED_PASSES_CAP passes at most.
+        let stall = VerifyCall {
             batch_size: 2,
-            batch_tokens: 2,
+            batch_tokens: 66,
             forward_seconds: 0.0104,
             queue_seconds: 10.0,
             call_seconds: 10.02,
+            computed_context: 64,
             ..VerifyCall::default()
+        };
+        model.record_verify(stall);
+        assert!((model.lock().queued_passes - 3.0).abs() < 1e-3);
+        model.record_verify(VerifyCall {
+            computed_context: 0,
+            ..stall
         });
         assert!(model.lock().queued_passes <= QUEUED_PASSES_CAP);
         // The queue drained: the passes' own sessions again.

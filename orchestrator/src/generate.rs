@@ -311,6 +311,10 @@ impl Generator {
                 forward_seconds: response.forward_seconds,
                 queue_seconds: response.queue_seconds,
                 call_seconds: verify_seconds,
+                // Tokens this call computed beyond the drafts and the last accepted one: its
+                // prompt (or a context the replica had not cached), whose earlier chunks'
+                // passes count in its queue wait.
+                computed_context: (response.computed_tokens as usize).saturating_sub(draft.len() + 1) as u32,
             });
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
