@@ -314,7 +314,7 @@ impl Generator {
                 // Tokens this call computed beyond the drafts and the last accepted one: its
                 // prompt (or a context the replica had not cached), whose earlier chunks'
                 // passes count in its queue wait.
-                computed_context: (response.computed_tokens as usize).saturating_sub(draft.len() + 1) as u32,
+                computed_context: response.computed_tokens.saturating_sub(draft.len() as u32 + 1),
             });
             totals.verify_seconds += verify_seconds;
             totals.verifier_calls += 1;
