@@ -7,9 +7,11 @@
 //! token), time to first token and inter-token latency (p50/p99) per (verifiers,
 //! concurrency, mode), and the decode speed-up per workload, as tables ([`report`]) and a
 //! JSON file; with `--repetitions N` the modes run N times, alternating (in reverse order on
-//! odd repetitions), pooled per row. With `--unbatched-baseline`, a second single-verifier
-//! stack runs with batching off (`--max-batch-tokens 1`: one job per forward pass), plainly,
-//! its runs alternating with the batched verifier's, so batching's gain is measured directly.
+//! odd repetitions), pooled per row; with `--control`, plain decoding runs a second time
+//! among them, so each cell shows its own run-to-run noise. With `--unbatched-baseline`, a
+//! second single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
+//! forward pass), plainly, its runs alternating with the batched verifier's, so batching's
+//! gain is measured directly.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -60,6 +62,11 @@ pub struct LoadBenchArgs {
     /// pass), the baseline of the batching gain.
     #[arg(long)]
     unbatched_baseline: bool,
+    /// Also run plain decoding a second time on the same stack (mode `plain-again`),
+    /// alternating with the others: its ratio to plain is the run-to-run noise of each cell
+    /// on this machine, to read speculation's ratio against.
+    #[arg(long)]
+    control: bool,
     /// Runs of each (concurrency, mode), the modes alternating (reversed on odd
     /// repetitions), pooled into one row each: the machine's speed drifts less between
     /// neighbouring runs than across a whole table.
@@ -514,6 +521,9 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         };
         let mut modes: Vec<(&'static str, bool, &Stack)> =
             vec![("plain", false, &batched), ("speculative", true, &batched)];
+        if args.control {
+            modes.push(("plain-again", false, &batched));
+        }
         if let Some(stack) = &unbatched {
             modes.push(("plain-unbatched", false, stack));
         }

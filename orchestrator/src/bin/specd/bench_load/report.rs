@@ -99,23 +99,27 @@ fn plain_row<'a>(rows: &'a [Row], row: &Row) -> Option<&'a Row> {
         .find(|r| r.verifiers == row.verifiers && r.concurrency == row.concurrency && r.mode == "plain")
 }
 
-/// Speculative over plain decode rate per session, per workload.
+/// Speculative (and, with `--control`, plain run again) over plain decode rate per
+/// session, per workload.
 pub fn print_workload_speedups(rows: &[Row]) {
     let Some(first) = rows.iter().find(|r| r.mode == "speculative") else {
         return;
     };
     let names: Vec<&String> = first.workload_decode_tokens_per_second.keys().collect();
     println!("\nspeculative / plain, decode rate per session, by workload");
-    print!("{:>9} {:>5}", "verifiers", "conc");
+    print!("{:>9} {:>5} {:<12}", "verifiers", "conc", "mode");
     for name in &names {
         print!(" {name:>15}");
     }
     println!();
-    for row in rows.iter().filter(|r| r.mode == "speculative") {
+    for row in rows
+        .iter()
+        .filter(|r| r.mode == "speculative" || r.mode == "plain-again")
+    {
         let Some(plain) = plain_row(rows, row) else {
             continue;
         };
-        print!("{:>9} {:>5}", row.verifiers, row.concurrency);
+        print!("{:>9} {:>5} {:<12}", row.verifiers, row.concurrency, row.mode);
         for name in &names {
             let ratio = row
                 .workload_decode_tokens_per_second
