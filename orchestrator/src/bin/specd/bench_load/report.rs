@@ -106,7 +106,7 @@ pub fn print_workload_speedups(rows: &[Row]) {
         return;
     };
     let names: Vec<&String> = first.workload_decode_tokens_per_second.keys().collect();
-    println!("\nspeculative / plain, decode rate per session, by workload");
+    println!("\neach mode / plain, decode rate per session, by workload");
     print!("{:>9} {:>5} {:<12}", "verifiers", "conc", "mode");
     for name in &names {
         print!(" {name:>15}");
