@@ -33,6 +33,11 @@ pub struct ModelArgs {
     /// Microseconds a forward pass may wait for more jobs to batch once one is ready.
     #[arg(long, env = "SPECD_BATCH_WAIT_US", default_value_t = 0)]
     pub batch_wait_us: u64,
+    /// How long a forward pass may wait for the sequences the previous pass answered (they
+    /// are on their way back), as a share of that pass's time; also bounded by their measured
+    /// turnaround. 0: never wait.
+    #[arg(long, env = "SPECD_RETURN_WAIT_SHARE", default_value_t = specd_model::engine::DEFAULT_RETURN_WAIT_SHARE)]
+    pub return_wait_share: f64,
 }
 
 impl ModelArgs {
@@ -57,6 +62,7 @@ impl ModelArgs {
             max_queue: self.max_queue,
             prefill_chunk: self.prefill_chunk,
             batch_wait: std::time::Duration::from_micros(self.batch_wait_us),
+            return_wait_share: self.return_wait_share,
         }
     }
 

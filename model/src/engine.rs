@@ -25,6 +25,10 @@ use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::llama::{Llama, SequenceStep};
 use crate::tokenizer::TextTokenizer;
+use returns::Returns;
+
+/// The default of [`EngineOptions::return_wait_share`].
+pub const DEFAULT_RETURN_WAIT_SHARE: f64 = 0.5;
 
 /// Engine limits and placement.
 #[derive(Debug, Clone)]
@@ -43,6 +47,10 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// How long a pass may wait for more jobs to batch once one is ready (zero: start at once).
     pub batch_wait: std::time::Duration,
+    /// How long a pass may wait for the sequences the previous pass answered (on their way
+    /// back), as a share of that pass's time; also bounded by their measured turnaround
+    /// (0: never wait). See `engine/returns.rs`.
+    pub return_wait_share: f64,
 }
 
 impl Default for EngineOptions {
@@ -54,6 +62,7 @@ impl Default for EngineOptions {
             max_queue: 256,
             prefill_chunk: 64,
             batch_wait: std::time::Duration::ZERO,
+            return_wait_share: DEFAULT_RETURN_WAIT_SHARE,
         }
     }
 }
@@ -236,6 +245,7 @@ impl Engine {
             prefill_chunk: options.prefill_chunk,
             batch_wait: options.batch_wait,
             deferred: VecDeque::new(),
+            returns: Returns::new(options.return_wait_share),
         };
         std::thread::Builder::new()
             .name("specd-engine".into())
@@ -331,12 +341,16 @@ struct Worker {
     /// Jobs taken from the queue that run in a later pass (a chunked prompt's rest, or a
     /// second job for a sequence already in the pass), oldest first.
     deferred: VecDeque<Job>,
+    returns: Returns,
 }
 
 /// What the pass being formed has taken: tokens in all, and prompt tokens it may still take.
 struct Budget {
     total: usize,
     prefill_left: usize,
+    /// Prompt tokens taken (a pass computing a prompt is busy with real work: it does not
+    /// wait for returning sequences).
+    prompt: usize,
 }
 
 /// A validated job, ready to run: its cache, the tokens to append and where logits are due.
@@ -374,6 +388,7 @@ impl Worker {
                 } else {
                     self.prefill_chunk
                 },
+                prompt: 0,
             };
             self.admit(first, &mut batch, &mut tokens);
             let deadline = Instant::now() + self.batch_wait;
@@ -397,6 +412,24 @@ impl Worker {
                 };
                 self.admit(next, &mut batch, &mut tokens);
             }
+            // The sequences the previous pass answered are usually on their way back: a short
+            // wait lets them share this pass rather than form the next one (`returns`).
+            while !batch.is_empty()
+                && tokens.prompt == 0
+                && tokens.total < self.max_batch_tokens
+                && !self.returns.all_back()
+            {
+                let Some(deadline) = self.returns.wait_until() else {
+                    break;
+                };
+                match queue.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(job) => {
+                        let job = self.took(job);
+                        self.admit(job, &mut batch, &mut tokens);
+                    }
+                    Err(_) => break,
+                }
+            }
             // Carried jobs that did not fit are older than anything deferred in this pass.
             while let Some(job) = carried.pop_back() {
                 self.deferred.push_front(job);
@@ -407,9 +440,15 @@ impl Worker {
         }
     }
 
-    fn took(&self, job: Job) -> Job {
-        if matches!(job, Job::Score { .. }) {
-            self.waiting.fetch_sub(1, Ordering::Relaxed);
+    fn took(&mut self, job: Job) -> Job {
+        match &job {
+            Job::Score {
+                request, queued_at, ..
+            } => {
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                self.returns.arrived(&request.sequence, *queued_at);
+            }
+            Job::Release { sequence } => self.returns.gone(sequence),
         }
         job
     }
@@ -453,10 +492,12 @@ impl Worker {
         let prompt = logits_at.first().copied().unwrap_or(new_tokens.len());
         let resume = if prompt <= tokens.prefill_left {
             tokens.prefill_left -= prompt;
+            tokens.prompt += prompt;
             None
         } else if tokens.prefill_left > 0 {
             new_tokens.truncate(tokens.prefill_left);
             logits_at.clear();
+            tokens.prompt += tokens.prefill_left;
             tokens.prefill_left = 0;
             Some(request.clone())
         } else {
@@ -552,6 +593,7 @@ impl Worker {
         match result {
             Ok(all_logits) => {
                 let mut resumed = Vec::new();
+                let mut answered = Vec::with_capacity(batch_size);
                 for (planned, logits) in batch.into_iter().zip(all_logits) {
                     let others_prompt_tokens = batch_prompt_tokens - prompt_tokens(&planned);
                     if let Some(request) = planned.resume {
@@ -579,14 +621,17 @@ impl Worker {
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),
                             forward_seconds,
                         });
+                    answered.push(planned.sequence.clone());
                     self.cache.put(planned.sequence, planned.cache);
                     let _ = planned.reply.send(scores);
                 }
+                self.returns.answered(answered, forward_seconds);
                 // The rest of chunked prompts run in the next pass, after the jobs that got no
                 // prefill budget in this one (round robin among prompts).
                 self.deferred.extend(resumed);
             }
             Err(e) => {
+                self.returns.answered(Vec::new(), forward_seconds);
                 let message = e.to_string();
                 for planned in batch {
                     // The cache may hold partial writes beyond its committed length, which
@@ -600,5 +645,6 @@ impl Worker {
     }
 }
 
+mod returns;
 #[cfg(test)]
 mod tests;
