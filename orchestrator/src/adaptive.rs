@@ -23,6 +23,11 @@ const EXPLORE_ALPHA: f64 = 0.8;
 /// Proposals are grouped by how long a context suffix they matched (prompt lookup); longer
 /// matches are far more reliable, so each group keeps its own acceptance record.
 pub const MATCH_BUCKETS: usize = 4;
+/// How quickly old evidence of whether asking the drafter leads to a verified draft fades
+/// (per ask), and its prior (one ask in two).
+const ASK_DECAY: f64 = 0.95;
+const PRIOR_ASKS: f64 = 2.0;
+const PRIOR_ASKS_DRAFTED: f64 = 1.0;
 
 /// Expected tokens emitted by a step verifying `k` drafts at per-token acceptance `alpha`.
 pub fn expected_tokens(k: usize, alpha: f64) -> f64 {
@@ -40,6 +45,9 @@ pub struct KPolicy {
     steps_without_draft: u32,
     explore_after: u32,
     exploring: bool,
+    /// Drafter asks, and those whose proposal was then verified (decayed counts).
+    asks: f64,
+    asks_drafted: f64,
 }
 
 impl Default for KPolicy {
@@ -50,6 +58,8 @@ impl Default for KPolicy {
             steps_without_draft: 0,
             explore_after: EXPLORE_EVERY,
             exploring: false,
+            asks: PRIOR_ASKS,
+            asks_drafted: PRIOR_ASKS_DRAFTED,
         }
     }
 }
@@ -74,7 +84,7 @@ impl KPolicy {
             self.steps_without_draft += 1;
             return 0;
         }
-        let best = best_k(available, self.alpha(bucket), costs);
+        let (best, _) = best_k(available, self.alpha(bucket), costs);
         if best == 0 {
             self.steps_without_draft += 1;
             if self.steps_without_draft >= self.explore_after && tries_pay(costs) {
@@ -88,16 +98,33 @@ impl KPolicy {
         best
     }
 
-    /// Whether a proposal of up to `available` drafts could be verified this step: the most
-    /// reliable acceptance group would draft at the current costs, or a try is due. When
-    /// not, the drafter need not be asked (see [`KPolicy::skip`]).
+    /// Whether the drafter is worth asking this step: a try is due, or the most reliable
+    /// acceptance group would draft at the current costs and what asks have gained so far
+    /// beats the call's cost. Every ask costs a drafter round trip, but only the share of
+    /// asks whose proposal is then verified gains anything: a session whose text rarely
+    /// matches stops paying for lookups that come back unused. When not, the drafter need
+    /// not be asked (see [`KPolicy::skip`]).
     pub fn worth_drafting(&self, available: usize, costs: &CostModel) -> bool {
         if available == 0 {
             return false;
         }
+        if self.steps_without_draft + 1 >= self.explore_after && tries_pay(costs) {
+            return true;
+        }
         let alpha = (0..MATCH_BUCKETS).map(|b| self.alpha(b)).fold(0.0, f64::max);
-        best_k(available, alpha, costs) > 0
-            || (self.steps_without_draft + 1 >= self.explore_after && tries_pay(costs))
+        let (k, value) = best_k(available, alpha, costs);
+        k > 0 && self.drafted_share() * (value - 1.0) > costs.draft_call_share()
+    }
+
+    /// Share of recent drafter asks whose proposal was verified.
+    pub fn drafted_share(&self) -> f64 {
+        self.asks_drafted / self.asks
+    }
+
+    /// Records a drafter ask, and whether its proposal was verified (k > 0).
+    pub fn record_ask(&mut self, drafted: bool) {
+        self.asks = self.asks * ASK_DECAY + 1.0;
+        self.asks_drafted = self.asks_drafted * ASK_DECAY + f64::from(u8::from(drafted));
     }
 
     /// Records a step decoded without asking for drafts.
@@ -125,16 +152,17 @@ impl KPolicy {
 /// Whether a one-draft try would pay at the current costs if the draft were kept
 /// `EXPLORE_ALPHA` of the time.
 fn tries_pay(costs: &CostModel) -> bool {
-    best_k(1, EXPLORE_ALPHA, costs) > 0
+    best_k(1, EXPLORE_ALPHA, costs).0 > 0
 }
 
-/// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`.
-fn best_k(available: usize, alpha: f64, costs: &CostModel) -> usize {
+/// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`,
+/// and its value relative to a plain step.
+fn best_k(available: usize, alpha: f64, costs: &CostModel) -> (usize, f64) {
     let expected: Vec<f64> = (0..=available).map(|k| expected_tokens(k, alpha)).collect();
     let value = costs.relative_values(&expected);
     (0..=available)
         .max_by(|&a, &b| value[a].total_cmp(&value[b]))
-        .unwrap_or(0)
+        .map_or((0, 1.0), |k| (k, value[k]))
 }
 
 #[cfg(test)]
@@ -220,6 +248,30 @@ mod tests {
         }
         assert!(policy.worth_drafting(4, &cheap));
         assert!(!policy.worth_drafting(0, &cheap));
+    }
+
+    #[test]
+    fn a_session_whose_asks_come_back_unused_stops_asking() {
+        // Drafts nearly free, but each drafter call costs 5% of a step.
+        let c = costs(1.0, 0.05).with_draft_call(0.05);
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 4, 3);
+        }
+        assert!(policy.worth_drafting(4, &c), "long matches are reliable");
+        // Its asks mostly come back with proposals it does not verify.
+        for _ in 0..60 {
+            policy.record_ask(false);
+        }
+        assert!(policy.drafted_share() < 0.01);
+        assert!(!policy.worth_drafting(4, &c));
+        // A free call is always worth it while some group would draft.
+        assert!(policy.worth_drafting(4, &costs(1.0, 0.05)));
+        // Asks verified again: asking resumes.
+        for _ in 0..60 {
+            policy.record_ask(true);
+        }
+        assert!(policy.worth_drafting(4, &c));
     }
 
     #[test]

@@ -136,24 +136,20 @@ impl CostModel {
     pub fn relative_values(&self, expected: &[f64]) -> Vec<f64> {
         let c = self.lock();
         let curve = c.curve();
-        // Sessions sharing the verifier: those in its passes, and as many again per pass
-        // a call waits in its queue.
-        let sessions = c.sessions.max(1.0) * (1.0 + c.queued_passes);
-        let step = |k: usize| {
-            let rows = sessions * (1 + k) as f64;
-            let all = rows + c.others_prompt_tokens;
-            let mut seconds = curve.seconds(all.round() as usize) * rows / all + c.round_trip;
-            if k > 0 {
-                seconds += c.draft_call + c.draft_per_token * k as f64;
-            }
-            seconds
-        };
-        let plain = step(0);
+        let plain = c.step_seconds(&curve, 0);
         expected
             .iter()
             .enumerate()
-            .map(|(k, e)| e * plain / step(k).max(1e-12))
+            .map(|(k, e)| e * plain / c.step_seconds(&curve, k).max(1e-12))
             .collect()
+    }
+
+    /// What asking the drafter costs, relative to a plain step: its call's time over the
+    /// step's (the call is paid whether or not its proposal is then verified).
+    pub fn draft_call_share(&self) -> f64 {
+        let c = self.lock();
+        let curve = c.curve();
+        c.draft_call / c.step_seconds(&curve, 0).max(1e-12)
     }
 
     /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_values`] prices it).
@@ -175,12 +171,34 @@ impl CostModel {
         model
     }
 
+    /// The same model with a drafter call that takes `seconds` (for tests of the policy).
+    #[cfg(test)]
+    pub(crate) fn with_draft_call(self, seconds: f64) -> Self {
+        self.lock().draft_call = seconds;
+        self
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Costs> {
         self.inner.lock().expect("cost model lock")
     }
 }
 
 impl Costs {
+    /// A session's step verifying k drafts, in seconds: its share of the pass, the round
+    /// trip, and for k > 0 the drafter call.
+    fn step_seconds(&self, curve: &PassCurve, k: usize) -> f64 {
+        // Sessions sharing the verifier: those in its passes, and as many again per pass
+        // a call waits in its queue.
+        let sessions = self.sessions.max(1.0) * (1.0 + self.queued_passes);
+        let rows = sessions * (1 + k) as f64;
+        let all = rows + self.others_prompt_tokens;
+        let mut seconds = curve.seconds(all.round() as usize) * rows / all + self.round_trip;
+        if k > 0 {
+            seconds += self.draft_call + self.draft_per_token * k as f64;
+        }
+        seconds
+    }
+
     /// The measured passes, smallest first.
     fn curve(&self) -> PassCurve {
         PassCurve {

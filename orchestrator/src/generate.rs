@@ -537,11 +537,13 @@ impl Generator {
         let k = if params.fixed_k || per_token {
             response.tokens.len()
         } else {
-            session.policy.choose(
+            let k = session.policy.choose(
                 response.tokens.len(),
                 bucket(response.match_length as usize),
                 &self.costs,
-            )
+            );
+            session.policy.record_ask(k > 0);
+            k
         };
         if k > 0 {
             totals.drafted_steps += 1;
