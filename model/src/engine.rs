@@ -414,11 +414,7 @@ impl Worker {
             }
             // The sequences the previous pass answered are usually on their way back: a short
             // wait lets them share this pass rather than form the next one (`returns`).
-            while !batch.is_empty()
-                && tokens.prompt == 0
-                && tokens.total < self.max_batch_tokens
-                && !self.returns.all_back()
-            {
+            while !batch.is_empty() && tokens.prompt == 0 && tokens.total < self.max_batch_tokens {
                 let Some(deadline) = self.returns.wait_until() else {
                     break;
                 };

@@ -23,7 +23,7 @@ const MAX_WAIT_SECONDS: f64 = 0.25;
 #[derive(Debug)]
 pub(super) struct Returns {
     /// Longest wait, as a share of the previous pass's time (0: never wait).
-    fraction: f64,
+    share: f64,
     away: HashSet<String>,
     answered_at: Instant,
     last_pass_seconds: f64,
@@ -32,9 +32,9 @@ pub(super) struct Returns {
 }
 
 impl Returns {
-    pub(super) fn new(fraction: f64) -> Self {
+    pub(super) fn new(share: f64) -> Self {
         Self {
-            fraction: fraction.max(0.0),
+            share: share.max(0.0),
             away: HashSet::new(),
             answered_at: Instant::now(),
             last_pass_seconds: 0.0,
@@ -46,7 +46,7 @@ impl Returns {
     /// next pass's wait are no longer waited for.
     pub(super) fn answered(&mut self, sequences: impl IntoIterator<Item = String>, pass_seconds: f64) {
         self.away.clear();
-        if self.fraction > 0.0 {
+        if self.share > 0.0 {
             self.away.extend(sequences);
         }
         self.answered_at = Instant::now();
@@ -74,23 +74,19 @@ impl Returns {
     }
 
     /// Until when the pass being formed should wait for sequences still away (None: start
-    /// now). With no turnaround measured yet, the first wait is bounded by the pass share.
+    /// now: all are back, or their time is up). With no turnaround measured yet, the first
+    /// wait is bounded by the pass share.
     pub(super) fn wait_until(&self) -> Option<Instant> {
         if self.away.is_empty() {
             return None;
         }
-        let share = self.fraction * self.last_pass_seconds;
+        let of_pass = self.share * self.last_pass_seconds;
         let bound = match self.turnaround {
-            Some(mean) => share.min(TURNAROUND_SLACK * mean),
-            None => share,
+            Some(mean) => of_pass.min(TURNAROUND_SLACK * mean),
+            None => of_pass,
         };
         let deadline = self.answered_at + Duration::from_secs_f64(bound.clamp(0.0, MAX_WAIT_SECONDS));
         (deadline > Instant::now()).then_some(deadline)
-    }
-
-    /// Whether every answered sequence is back.
-    pub(super) fn all_back(&self) -> bool {
-        self.away.is_empty()
     }
 }
 
@@ -110,9 +106,8 @@ mod tests {
         let wait = deadline - returns.answered_at;
         assert_eq!(wait, Duration::from_millis(100));
         returns.arrived("s0", Instant::now());
-        assert!(!returns.all_back());
+        assert!(!returns.away.is_empty(), "s1 is still away");
         returns.gone("s1");
-        assert!(returns.all_back());
         assert!(returns.wait_until().is_none());
     }
 
@@ -140,7 +135,7 @@ mod tests {
     fn a_zero_share_never_waits_and_stragglers_are_dropped_at_the_next_pass() {
         let mut off = Returns::new(0.0);
         off.answered(names(4), 10.0);
-        assert!(off.wait_until().is_none() && off.all_back());
+        assert!(off.wait_until().is_none() && off.away.is_empty());
 
         let mut returns = Returns::new(0.5);
         returns.answered(names(3), 10.0);
@@ -148,6 +143,6 @@ mod tests {
         returns.arrived("s0", Instant::now());
         assert_eq!(returns.turnaround, None, "s0 was no longer awaited");
         returns.arrived("s9", Instant::now());
-        assert!(returns.all_back());
+        assert!(returns.away.is_empty());
     }
 }
