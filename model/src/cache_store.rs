@@ -1,5 +1,7 @@
 //! The engine's per-sequence KV caches under a memory bound, least recently used evicted
 //! first. A cache is an optimisation only: an evicted sequence is recomputed on its next use.
+//! A sequence may also start from a copy of another's cache when their contexts share a
+//! prefix (a system prompt, a repeated document): see [`CacheStore::longest_shared_prefix`].
 
 use std::collections::HashMap;
 
@@ -31,6 +33,18 @@ impl CacheStore {
     pub fn put(&mut self, sequence: String, cache: KvCache) {
         self.clock += 1;
         self.caches.insert(sequence, (cache, self.clock));
+    }
+
+    /// The cached sequence sharing the longest prefix with `context` (counting at most
+    /// `limit` tokens), and that length; `None` when no cache shares a token. A scan of the
+    /// caches, each compared only up to its first differing token.
+    pub fn longest_shared_prefix(&self, context: &[u32], limit: usize) -> Option<(&KvCache, usize)> {
+        let context = &context[..limit.min(context.len())];
+        self.caches
+            .values()
+            .map(|(cache, _)| (cache, cache.common_prefix_len(context)))
+            .filter(|&(_, shared)| shared > 0)
+            .max_by_key(|&(_, shared)| shared)
     }
 
     pub fn remove(&mut self, sequence: &str) -> bool {

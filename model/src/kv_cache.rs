@@ -155,6 +155,49 @@ impl KvCache {
         }
     }
 
+    /// A new cache holding this one's first `len` positions (at most its length): what a
+    /// sequence whose context starts with those tokens would have computed itself, since a
+    /// position's keys and values depend only on the tokens up to it and passes are
+    /// batch-invariant.
+    pub fn prefix_copy(&self, len: usize) -> Result<KvCache> {
+        let len = len.min(self.len());
+        let floats = len * self.n_head_kv * self.head_dim;
+        let key_floats = self.key_floats(len);
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| match layer {
+                LayerCache::Host { keys, values } => Ok(LayerCache::Host {
+                    keys: keys[..key_floats.min(keys.len())].to_vec(),
+                    values: values[..floats].to_vec(),
+                }),
+                LayerCache::Device { keys, values } => {
+                    let copy = |t: &Tensor| -> Result<Tensor> {
+                        let grown = Tensor::zeros(t.dims(), t.dtype(), t.device())?;
+                        if len > 0 {
+                            grown.slice_set(&t.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                        }
+                        Ok(grown)
+                    };
+                    Ok(LayerCache::Device {
+                        keys: copy(keys)?,
+                        values: copy(values)?,
+                    })
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache {
+            layers,
+            tokens: self.tokens[..len].to_vec(),
+            capacity: self.capacity,
+            max_len: self.max_len,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            key_layout: self.key_layout,
+            device: self.device.clone(),
+        })
+    }
+
     /// Length of the common prefix of the cached tokens and `context`.
     pub fn common_prefix_len(&self, context: &[u32]) -> usize {
         self.tokens

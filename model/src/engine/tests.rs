@@ -6,8 +6,12 @@ use std::time::Duration;
 use crate::synthetic::{SyntheticSpec, write_tiny_llama};
 
 fn tiny_engine(options: EngineOptions) -> (tempfile::NamedTempFile, LoadedModel) {
+    engine_of(&SyntheticSpec::default(), options)
+}
+
+fn engine_of(spec: &SyntheticSpec, options: EngineOptions) -> (tempfile::NamedTempFile, LoadedModel) {
     let file = tempfile::NamedTempFile::new().unwrap();
-    write_tiny_llama(file.path(), &SyntheticSpec::default()).unwrap();
+    write_tiny_llama(file.path(), spec).unwrap();
     let loaded = load(file.path(), options).unwrap();
     (file, loaded)
 }
@@ -138,4 +142,49 @@ fn chunked_prompts_survive_their_caches_being_evicted_between_chunks() {
     assert_eq!(a.logits, expected_a.logits);
     assert_eq!(b.logits, expected_b.logits);
     assert!(a.reused <= prompt_a.len() && b.reused <= prompt_b.len());
+}
+
+#[test]
+fn a_sequence_starts_from_another_sequences_cached_prefix_with_the_same_logits() {
+    let system: Vec<u32> = (0..100).map(|i| 3 + (i * 7 % 250)).collect();
+    let with_question = |question: u32| -> Vec<u32> {
+        let mut context = system.clone();
+        context.extend((0..20).map(|i| 3 + (question * 13 + i) % 250));
+        context
+    };
+    let (first, second) = (with_question(1), with_question(2));
+    // Head size 16 keeps keys by position; 64 in tiles of 16 positions on CPUs with SIMD
+    // attention, and 100 shared positions end inside a tile.
+    for n_head in [4, 1] {
+        let spec = SyntheticSpec {
+            n_head,
+            n_head_kv: 1,
+            ..SyntheticSpec::default()
+        };
+        let (_fresh_file, fresh) = engine_of(&spec, EngineOptions::default());
+        let expected = fresh.engine.score_blocking(request("b", &second)).unwrap();
+        assert_eq!((expected.computed, expected.reused), (120, 0));
+
+        let (_file, loaded) = engine_of(&spec, EngineOptions::default());
+        loaded.engine.score_blocking(request("a", &first)).unwrap();
+        let shared = loaded.engine.score_blocking(request("b", &second)).unwrap();
+        assert_eq!(
+            shared.logits, expected.logits,
+            "a copied prefix must not change a logit"
+        );
+        assert_eq!((shared.computed, shared.reused), (20, 100));
+        // The donor's own cache is untouched: its next step reuses all of it.
+        let mut next = first.clone();
+        next.push(9);
+        let again = loaded.engine.score_blocking(request("a", &next)).unwrap();
+        assert_eq!((again.computed, again.reused), (1, 120));
+    }
+}
+
+#[test]
+fn a_short_shared_prefix_is_computed_rather_than_copied() {
+    assert!(worth_copying(100, 0));
+    assert!(!worth_copying(3, 0), "a few tokens are not worth a copy");
+    assert!(!worth_copying(1000, 990), "copying 1000 positions to save 10");
+    assert!(worth_copying(1000, 960));
 }
