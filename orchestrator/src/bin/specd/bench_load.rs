@@ -77,7 +77,15 @@ pub struct LoadBenchArgs {
     /// (few sessions left).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
+    /// Start every session's prompt with a line of its own ("Request 17."), so sessions share
+    /// only the chat template's system prompt: the verifiers' prefix sharing then cannot skip
+    /// a repeated prompt's prefill, as it does when the workloads' prompts recur.
+    #[arg(long)]
+    unique_prompts: bool,
 }
+
+/// Sessions started by this process, numbering `--unique-prompts`' lines.
+static SESSIONS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A child process killed when dropped.
 struct Proc(Child);
@@ -316,6 +324,7 @@ struct Load<'a> {
     rounds: usize,
     max_tokens: u32,
     speculate: bool,
+    unique_prompts: bool,
 }
 
 impl Load<'_> {
@@ -327,7 +336,7 @@ impl Load<'_> {
         let workers: Vec<_> = (0..self.concurrency)
             .map(|_| {
                 let (next, url, prompts) = (next.clone(), self.url.to_string(), self.prompts.to_vec());
-                let (max_tokens, speculate) = (self.max_tokens, self.speculate);
+                let (max_tokens, speculate, unique) = (self.max_tokens, self.speculate, self.unique_prompts);
                 tokio::spawn(async move {
                     let mut done = Vec::new();
                     loop {
@@ -336,7 +345,13 @@ impl Load<'_> {
                             return done;
                         }
                         let prompt = &prompts[i % prompts.len()];
-                        let result = session(url.clone(), prompt.text.clone(), max_tokens, speculate).await;
+                        let text = if unique {
+                            let serial = SESSIONS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            format!("Request {serial}.\n{}", prompt.text)
+                        } else {
+                            prompt.text.clone()
+                        };
+                        let result = session(url.clone(), text, max_tokens, speculate).await;
                         done.push((prompt.workload.clone(), result));
                     }
                 })
@@ -544,6 +559,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
                         rounds: args.rounds as usize,
                         max_tokens: args.max_tokens,
                         speculate,
+                        unique_prompts: args.unique_prompts,
                     };
                     tally.add(load.run(stack.pids).await?);
                 }
