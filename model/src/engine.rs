@@ -246,6 +246,7 @@ impl Engine {
             batch_wait: options.batch_wait,
             deferred: VecDeque::new(),
             returns: Returns::new(options.return_wait_share),
+            last_pass_end: None,
         };
         std::thread::Builder::new()
             .name("specd-engine".into())
@@ -342,6 +343,8 @@ struct Worker {
     /// second job for a sequence already in the pass), oldest first.
     deferred: VecDeque<Job>,
     returns: Returns,
+    /// When the previous pass ended: the time since is the engine's idle gap (logged).
+    last_pass_end: Option<Instant>,
 }
 
 /// What the pass being formed has taken: tokens in all, and prompt tokens it may still take.
@@ -555,9 +558,11 @@ impl Worker {
         let mut keep = cache.common_prefix_len(&request.context).min(request.logits_from);
         // Another sequence's cache may hold more of this context (a shared system prompt or
         // document); its positions are exactly what this sequence would compute.
-        if let Some((donor, shared)) = self
-            .cache
-            .longest_shared_prefix(&request.context, request.logits_from)
+        // (Only looked for when a copy could save enough: not on a decode step's usual hit.)
+        if worth_copying(request.logits_from, keep)
+            && let Some((donor, shared)) = self
+                .cache
+                .longest_shared_prefix(&request.context, request.logits_from)
             && worth_copying(shared, keep)
         {
             cache = donor.prefix_copy(shared)?;
@@ -587,6 +592,19 @@ impl Worker {
             self.llama.forward(&mut steps)
         };
         let forward_seconds = started.elapsed().as_secs_f64();
+        let idle_seconds = self
+            .last_pass_end
+            .map_or(0.0, |end| (started - end).as_secs_f64());
+        self.last_pass_end = Some(Instant::now());
+        tracing::debug!(
+            target: "specd_model::engine::pass",
+            sequences = batch_size,
+            tokens = batch_tokens,
+            prompt_tokens = batch_prompt_tokens,
+            forward_ms = forward_seconds * 1e3,
+            idle_ms = idle_seconds * 1e3,
+            "forward pass"
+        );
         let per_job = forward_seconds / batch_size.max(1) as f64;
         let old = f64::from_bits(self.seconds_per_job.load(Ordering::Relaxed));
         let ema = if old == 0.0 {

@@ -107,7 +107,10 @@ fn spawn(bin_dir: &Path, name: &str, port: u16, args: &[String], threads: usize)
         .arg(format!("127.0.0.1:{port}"))
         .args(args)
         .env("SPECD_THREADS", threads.to_string())
-        .env("RUST_LOG", "error")
+        .env(
+            "RUST_LOG",
+            std::env::var("SPECD_BENCH_CHILD_LOG").unwrap_or_else(|_| "error".into()),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
