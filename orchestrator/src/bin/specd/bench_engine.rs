@@ -71,9 +71,13 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn tokens(n: usize, vocab: usize) -> Vec<u32> {
-    // Arbitrary but fixed ids spread over the vocabulary.
-    (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+/// `n` arbitrary but fixed ids spread over the vocabulary, from a stream at `offset`: streams
+/// at offsets far apart share no prefix, so the engine cannot copy one sequence's cache into
+/// another instead of computing it.
+fn tokens(offset: usize, n: usize, vocab: usize) -> Vec<u32> {
+    (offset..offset + n)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect()
 }
 
 fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usize) -> anyhow::Result<f64> {
@@ -90,15 +94,21 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
     let vocab = engine.info().vocab_size;
     let reps = args.repetitions.max(1);
     // Warm-up.
-    time_pass(engine, "warm", &tokens(16, vocab), 0)?;
-    // Prompt processing: a fresh sequence each time, logits for the last position.
-    let prompt = tokens(PROMPT, vocab);
+    time_pass(engine, "warm", &tokens(0, 16, vocab), 0)?;
+    // Prompt processing: a fresh sequence and prompt each time, logits for the last position.
     let pp: Vec<f64> = (0..reps)
-        .map(|r| time_pass(engine, &format!("pp-{r}"), &prompt, PROMPT - 1))
+        .map(|r| {
+            time_pass(
+                engine,
+                &format!("pp-{r}"),
+                &tokens(1000 * (r + 1), PROMPT, vocab),
+                PROMPT - 1,
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     // Scoring n tokens after DEPTH cached ones, logits at all n (as verification needs).
     let depth = args.depth.max(1);
-    let base = tokens(depth + 16, vocab);
+    let base = tokens(100_000, depth + 16, vocab);
     time_pass(engine, "depth", &base[..depth], depth - 1)?;
     let mut pass_seconds = Vec::new();
     for &n in &PASS_SIZES {
@@ -116,7 +126,7 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
     let mut decode = Vec::new();
     for r in 0..reps.min(3) {
         let sequence = format!("decode-{r}");
-        let mut context = tokens(16, vocab);
+        let mut context = tokens(200_000 + 1000 * r, 16, vocab);
         let started = Instant::now();
         for _ in 0..args.decode_tokens {
             greedy_step(engine, &sequence, &mut context)?;
