@@ -1,7 +1,8 @@
 //! Property test of the engine's cache bookkeeping (longest-common-prefix reuse, truncation
-//! on divergence, LRU eviction under a memory bound): for any sequence of requests — sessions
-//! that grow, roll back, diverge, are released or evicted — every answer is bit-identical to
-//! scoring the same context from nothing. The cache may only ever be an optimisation.
+//! on divergence, LRU eviction under a memory bound, prefixes copied between sessions, whose
+//! contexts all start alike): for any sequence of requests — sessions that grow, roll back,
+//! diverge, are released or evicted — every answer is bit-identical to scoring the same
+//! context from nothing. The cache may only ever be an optimisation.
 //! Cases: 32 by default; PROPTEST_CASES for a longer run.
 
 use proptest::prelude::*;
@@ -70,8 +71,10 @@ proptest! {
                         logits_from,
                     };
                     let got = cached.score_blocking(request(format!("s{session}"))).unwrap();
-                    // A sequence name never seen before: nothing cached.
+                    // A sequence name never seen before, in an engine holding no other
+                    // sequence (each is released), so nothing is cached or shared.
                     let want = fresh.score_blocking(request(format!("fresh{n}"))).unwrap();
+                    fresh.release(&format!("fresh{n}"));
                     prop_assert_eq!(want.reused, 0);
                     prop_assert_eq!(got.reused + got.computed, context.len());
                     prop_assert!(got.logits == want.logits, "cached and fresh logits differ at op {}", n);
