@@ -82,7 +82,11 @@ impl GrpcServer {
             shutdown_signal().await;
             health.set(false).await;
         };
-        let server = mount(router).serve_with_incoming_shutdown(TcpIncoming::from(self.listener), draining);
+        // Accepted sockets get TCP_NODELAY, as tonic's own listener gives them (a listener
+        // handed in keeps the system default, Nagle's algorithm): with Nagle, a reply's
+        // last small frame can wait for the peer's delayed ACK, ~40 ms on Linux.
+        let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
+        let server = mount(router).serve_with_incoming_shutdown(incoming, draining);
         Ok(tokio::spawn(server))
     }
 }
