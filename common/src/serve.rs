@@ -173,3 +173,82 @@ pub async fn shutdown_signal() {
     }
     tracing::info!("shutdown requested; draining in-flight requests");
 }
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use std::os::fd::RawFd;
+    use std::time::Duration;
+
+    /// The TCP port of one side of socket `fd` (`peer`: the other side's), if it has one.
+    fn port(fd: RawFd, peer: bool) -> Option<u16> {
+        // SAFETY: the address buffer is a zeroed sockaddr_storage and its length is given;
+        // the calls fail harmlessly on a descriptor that is not a connected socket.
+        unsafe {
+            let mut address: libc::sockaddr_storage = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            let pointer = &mut address as *mut _ as *mut libc::sockaddr;
+            let status = if peer {
+                libc::getpeername(fd, pointer, &mut len)
+            } else {
+                libc::getsockname(fd, pointer, &mut len)
+            };
+            if status != 0 || i32::from(address.ss_family) != libc::AF_INET {
+                return None;
+            }
+            let ipv4 = &*(pointer as *const libc::sockaddr_in);
+            Some(u16::from_be(ipv4.sin_port))
+        }
+    }
+
+    /// This process's socket of the TCP connection from port `local` to port `peer`.
+    fn connection(local: u16, peer: u16) -> Option<RawFd> {
+        std::fs::read_dir("/proc/self/fd")
+            .ok()?
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<RawFd>().ok())
+            .find(|&fd| port(fd, false) == Some(local) && port(fd, true) == Some(peer))
+    }
+
+    fn nodelay(fd: RawFd) -> bool {
+        let mut value: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: an int-sized option read into an int.
+        let status = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_NODELAY,
+                &mut value as *mut _ as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        assert_eq!(status, 0, "getsockopt(TCP_NODELAY) on descriptor {fd}");
+        value != 0
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_send_small_frames_at_once() {
+        let server = GrpcServer::bind("specd.v1.Test", "127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let address = server.local_addr();
+        let _serving = server.serve(|router| router).unwrap();
+        let client = tokio::net::TcpStream::connect(address).await.unwrap();
+        let client_port = client.local_addr().unwrap().port();
+        // The server accepts on its task (and sets the option in the same poll), which runs
+        // while this one sleeps.
+        let mut accepted = None;
+        for _ in 0..500 {
+            accepted = connection(address.port(), client_port);
+            if accepted.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let fd = accepted.expect("the server accepted the connection within 5 s");
+        assert!(
+            nodelay(fd),
+            "an accepted connection must have Nagle's algorithm off (TCP_NODELAY), or a reply's last frame can wait for a delayed ACK"
+        );
+    }
+}
