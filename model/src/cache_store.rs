@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 
+use crate::error::Result;
 use crate::kv_cache::KvCache;
 
 pub struct CacheStore {
@@ -47,6 +48,27 @@ impl CacheStore {
             .max_by_key(|&(_, shared)| shared)
     }
 
+    /// A copy of the prefix another cached sequence shares with `context` (counting at most
+    /// `limit` tokens) and its length, where copying it beats computing the positions past
+    /// `own` (those the sequence's own cache holds); `None` where no copy pays. Not looked
+    /// for when no copy could (a decode step's usual hit).
+    pub fn shared_prefix_copy(
+        &self,
+        context: &[u32],
+        limit: usize,
+        own: usize,
+    ) -> Result<Option<(KvCache, usize)>> {
+        if !worth_copying(limit, own) {
+            return Ok(None);
+        }
+        match self.longest_shared_prefix(context, limit) {
+            Some((donor, shared)) if worth_copying(shared, own) => {
+                Ok(Some((donor.prefix_copy(shared)?, shared)))
+            }
+            _ => Ok(None),
+        }
+    }
+
     pub fn remove(&mut self, sequence: &str) -> bool {
         self.caches.remove(sequence).is_some()
     }
@@ -80,5 +102,29 @@ impl CacheStore {
             self.caches.remove(&oldest);
             self.evictions += 1;
         }
+    }
+}
+
+/// Whether copying `shared` positions of another sequence's cache beats computing the
+/// `shared - own` positions this sequence's own cache lacks. Copying a position moves its
+/// keys and values (23 KB for SmolLM2-135M); computing one runs the whole model over it,
+/// about a hundred times as long, so a copy pays when it saves a 32nd of what it moves (and
+/// a few tokens at least).
+fn worth_copying(shared: usize, own: usize) -> bool {
+    const MIN_SAVED: usize = 4;
+    let saved = shared.saturating_sub(own);
+    saved >= MIN_SAVED && saved * 32 >= shared
+}
+
+#[cfg(test)]
+mod tests {
+    use super::worth_copying;
+
+    #[test]
+    fn a_short_shared_prefix_is_computed_rather_than_copied() {
+        assert!(worth_copying(100, 0));
+        assert!(!worth_copying(3, 0), "a few tokens are not worth a copy");
+        assert!(!worth_copying(1000, 990), "copying 1000 positions to save 10");
+        assert!(worth_copying(1000, 960));
     }
 }

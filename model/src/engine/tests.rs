@@ -180,11 +180,3 @@ fn a_sequence_starts_from_another_sequences_cached_prefix_with_the_same_logits()
         assert_eq!((again.computed, again.reused), (1, 120));
     }
 }
-
-#[test]
-fn a_short_shared_prefix_is_computed_rather_than_copied() {
-    assert!(worth_copying(100, 0));
-    assert!(!worth_copying(3, 0), "a few tokens are not worth a copy");
-    assert!(!worth_copying(1000, 990), "copying 1000 positions to save 10");
-    assert!(worth_copying(1000, 960));
-}

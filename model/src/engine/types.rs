@@ -1,0 +1,97 @@
+//! What callers hand the engine and get back: its options, a scoring request, the scores,
+//! and the identity of the model it runs.
+
+use serde::Serialize;
+
+use crate::device::DeviceSpec;
+
+/// The default of [`EngineOptions::return_wait_share`].
+pub const DEFAULT_RETURN_WAIT_SHARE: f64 = 0.5;
+
+/// Engine limits and placement.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub device: DeviceSpec,
+    /// Bytes of KV cache kept across requests; least recently used sequences are evicted.
+    pub max_cache_bytes: usize,
+    /// Most new tokens scored in one batched forward pass.
+    pub max_batch_tokens: usize,
+    /// Jobs that may wait for the engine; more are refused with `Overloaded`.
+    pub max_queue: usize,
+    /// Most prompt tokens (tokens that need no logits) computed per pass, over all sequences
+    /// (0: no limit). Decode and verify steps always join the next pass; long prompts are
+    /// computed a chunk per pass beside them, so a new prompt does not stall every running
+    /// session for its whole prefill.
+    pub prefill_chunk: usize,
+    /// How long a pass may wait for more jobs to batch once one is ready (zero: start at once).
+    pub batch_wait: std::time::Duration,
+    /// How long a pass may wait for the sequences the previous pass answered (on their way
+    /// back), as a share of that pass's time; also bounded by their measured turnaround
+    /// (0: never wait). See `engine/returns.rs`.
+    pub return_wait_share: f64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            device: DeviceSpec::Cpu,
+            max_cache_bytes: 1 << 30,
+            max_batch_tokens: 512,
+            max_queue: 256,
+            prefill_chunk: 64,
+            batch_wait: std::time::Duration::ZERO,
+            return_wait_share: DEFAULT_RETURN_WAIT_SHARE,
+        }
+    }
+}
+
+/// What a model is: compared across services so that drafter and verifier agree.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub architecture: String,
+    pub tokenizer_identity: String,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub n_layer: usize,
+    pub n_embd: usize,
+}
+
+/// Score a sequence: make the engine hold `context` and return logits at positions
+/// `logits_from..context.len()` (the logits at position i predict token i + 1).
+#[derive(Debug, Clone)]
+pub struct ScoreRequest {
+    pub sequence: String,
+    pub context: Vec<u32>,
+    pub logits_from: usize,
+}
+
+/// Logits for the requested positions, row-major `[rows, vocab]`.
+#[derive(Debug, Clone)]
+pub struct Scores {
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+    /// Context tokens served from the cache.
+    pub reused: usize,
+    /// Context tokens run through the model for this request.
+    pub computed: usize,
+    /// Sequences in the forward pass that served this request, and the tokens it computed.
+    pub batch_size: usize,
+    pub batch_tokens: usize,
+    /// Of `batch_tokens`, the prompt tokens (tokens computed with no logits due) of the
+    /// pass's other sequences: work this request's drafts shared the pass with.
+    pub others_prompt_tokens: usize,
+    /// Time the job waited for the engine, and the forward pass itself.
+    pub queue_seconds: f64,
+    pub forward_seconds: f64,
+}
+
+impl Scores {
+    pub fn rows(&self) -> usize {
+        self.logits.len() / self.vocab
+    }
+
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
