@@ -1,7 +1,7 @@
 //! The engine's per-sequence KV caches under a memory bound, least recently used evicted
 //! first. A cache is an optimisation only: an evicted sequence is recomputed on its next use.
 //! A sequence may also start from a copy of another's cache when their contexts share a
-//! prefix (a system prompt, a repeated document): see [`CacheStore::longest_shared_prefix`].
+//! prefix (a system prompt, a repeated document): see [`CacheStore::shared_prefix_copy`].
 
 use std::collections::HashMap;
 
@@ -39,7 +39,7 @@ impl CacheStore {
     /// The cached sequence sharing the longest prefix with `context` (counting at most
     /// `limit` tokens), and that length; `None` when no cache shares a token. A scan of the
     /// caches, each compared only up to its first differing token.
-    pub fn longest_shared_prefix(&self, context: &[u32], limit: usize) -> Option<(&KvCache, usize)> {
+    fn longest_shared_prefix(&self, context: &[u32], limit: usize) -> Option<(&KvCache, usize)> {
         let context = &context[..limit.min(context.len())];
         self.caches
             .values()

@@ -171,19 +171,7 @@ impl KvCache {
                     keys: keys[..key_floats.min(keys.len())].to_vec(),
                     values: values[..floats].to_vec(),
                 }),
-                LayerCache::Device { keys, values } => {
-                    let copy = |t: &Tensor| -> Result<Tensor> {
-                        let grown = Tensor::zeros(t.dims(), t.dtype(), t.device())?;
-                        if len > 0 {
-                            grown.slice_set(&t.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                        }
-                        Ok(grown)
-                    };
-                    Ok(LayerCache::Device {
-                        keys: copy(keys)?,
-                        values: copy(values)?,
-                    })
-                }
+                LayerCache::Device { .. } => self.device_layer_from(layer, self.capacity, len),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(KvCache {
@@ -226,18 +214,23 @@ impl KvCache {
         let capacity = capacity.min(self.max_len);
         let len = self.len();
         for index in 0..self.layers.len() {
-            let grown = self.empty_layer(capacity)?;
-            if let (LayerCache::Device { keys, values }, LayerCache::Device { keys: k, values: v }) =
-                (&grown, &self.layers[index])
-                && len > 0
-            {
-                keys.slice_set(&k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                values.slice_set(&v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-            }
-            self.layers[index] = grown;
+            self.layers[index] = self.device_layer_from(&self.layers[index], capacity, len)?;
         }
         self.capacity = capacity;
         Ok(())
+    }
+
+    /// A device layer of `capacity` positions holding the first `len` positions of `layer`.
+    fn device_layer_from(&self, layer: &LayerCache, capacity: usize, len: usize) -> Result<LayerCache> {
+        let grown = self.empty_layer(capacity)?;
+        if let (LayerCache::Device { keys, values }, LayerCache::Device { keys: k, values: v }) =
+            (&grown, layer)
+            && len > 0
+        {
+            keys.slice_set(&k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            values.slice_set(&v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+        }
+        Ok(grown)
     }
 
     /// Writes keys and values `[n, n_head_kv * head_dim]` (keys rotated) of layer `layer`
