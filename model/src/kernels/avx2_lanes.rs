@@ -2,11 +2,12 @@
 //! 256-bit halves of each 512-bit register: half A holds the slots of weight rows 0 and 1,
 //! half B those of rows 2 and 3. AVX2 has no `vpdpbusd`, so a record's dot products are
 //! `maddubs` (nibble × int8 pairs into i16) summed over the four registers in i16 — at most
-//! 4 · 2 · 15 · 127 = 15240, so the sum cannot overflow — and widened once with `madd`; a
-//! horizontal add then gives one 32-bit lane per block, so the int → float conversion and
-//! scaling run once per record and activation row, instead of once per block, weight row and
-//! activation row as in the grouped kernels. Each output element's arithmetic is the same
-//! whatever the number of rows, so results are batch-invariant.
+//! 4 · 2 · 15 · 127 = 15240 — then the two halves' sums added pairwise by one horizontal add,
+//! still in i16 (at most 30480, so nothing can overflow), and widened once with `madd`. That
+//! gives one 32-bit lane per block, so the int → float conversion and scaling run once per
+//! record and activation row, instead of once per block, weight row and activation row as in
+//! the grouped kernels. Each output element's arithmetic is the same whatever the number of
+//! rows, so results are batch-invariant.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -20,7 +21,8 @@ use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TI
 pub const MAX_ROWS: usize = 4;
 
 /// Integer dot products of one half's four weight registers with activation row `r`'s pair
-/// `p`: lane 2s + h holds Σ over the 16 values of half h of the half's slot s.
+/// `p`, as 16-bit sums: lanes 4s + 2h and 4s + 2h + 1 together hold Σ over the 16 values of
+/// half h of the half's slot s. Each lane is at most 4 · 2 · 15 · 127 = 15240 in magnitude.
 ///
 /// # Safety
 /// The CPU must have AVX2; row `r`'s pair `p` must exist (checked by callers).
@@ -36,11 +38,10 @@ unsafe fn half_dot(weights: &[__m256i; 4], x: &QuantizedRows, r: usize, p: usize
         let xs = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
         _mm256_maddubs_epi16(weights[j], xs)
     });
-    let sum = _mm256_add_epi16(
+    _mm256_add_epi16(
         _mm256_add_epi16(products[0], products[1]),
         _mm256_add_epi16(products[2], products[3]),
-    );
-    _mm256_madd_epi16(sum, _mm256_set1_epi16(1))
+    )
 }
 
 /// Half `half` (0: bytes 0..32 of each 64-byte register, weight rows 0 and 1; 1: rows 2 and
@@ -92,6 +93,7 @@ pub unsafe fn q4_lanes<const R: usize>(
     let pairs = nb.div_ceil(2);
     let mut acc = [_mm256_setzero_ps(); R];
     let slot_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    let ones = _mm256_set1_epi16(1);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
         prefetch(w, record, BLOCK);
@@ -122,7 +124,10 @@ pub unsafe fn q4_lanes<const R: usize>(
                     pair4(x.scales.as_ptr().add((r0 + t) * nb + b), two),
                 )
             };
-            let dot = _mm256_hadd_epi32(first_half[t], second_half);
+            // `hadd` of the two halves' 16-bit sums (each pair at most 30480, so still no
+            // overflow) and one widening `madd`: the same lanes as widening each half first
+            // and adding pairs in 32 bits, for one multiply instruction instead of two.
+            let dot = _mm256_madd_epi16(_mm256_hadd_epi16(first_half[t], second_half), ones);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[t]);
         }
     }

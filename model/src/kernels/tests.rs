@@ -134,6 +134,44 @@ fn every_kernel_matches_the_reference_on_odd_shapes() {
     }
 }
 
+/// Weights at their format's extremes (every quant but one per block at the top of its
+/// range) times activations at ±127: the largest partial sums the integer paths meet, where
+/// a 16-bit intermediate with too little headroom would wrap (and miss by ~65536 · scale).
+#[test]
+fn integer_sums_at_the_extremes_do_not_overflow() {
+    // 768 columns: K-quants take multiples of 256.
+    let (m, n, k) = (3, 8, 768);
+    let weights: Vec<f32> = (0..n * k)
+        .map(|i| if i % BLOCK == 0 { -1.0 } else { 1.0 })
+        .collect();
+    let activations: Vec<f32> = (0..m * k)
+        .map(|i| match i / k {
+            0 => 1.0,
+            1 => -1.0,
+            _ if (i % k) / BLOCK % 2 == 0 => 1.0,
+            _ => -1.0,
+        })
+        .collect();
+    for format in FORMATS {
+        let t = Tensor::from_vec(weights.clone(), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, format).unwrap();
+        for kernel in Kernel::available() {
+            let packed = QuantMatrix::from_qtensor_for(&q, kernel).expect("supported format");
+            let (want, mag) = reference(&q, &packed, &activations, m);
+            let got = matmul_with(kernel, &packed, &activations, m);
+            for i in 0..m * n {
+                let bound = 2e-3 * mag[i] + 1e-4;
+                assert!(
+                    (got[i] as f64 - want[i]).abs() <= bound,
+                    "{format:?} {kernel:?} [{i}]: {} vs {} (bound {bound})",
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn the_pool_path_equals_the_detected_kernel() {
     for format in FORMATS {
