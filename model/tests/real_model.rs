@@ -9,9 +9,13 @@ use serde::Deserialize;
 use specd_model::{EngineOptions, LoadedModel, ScoreRequest, argmax};
 
 /// Largest allowed |ours - llama.cpp| for a logit. Both quantise activations to 8 bits before
-/// the 4-bit matmuls, but their kernels sum in different orders; measured differences reach
-/// 1.03 (AVX2) and 1.22 (AVX-512) on logits of ~25-30 (665 compared).
-const LOGIT_TOLERANCE: f32 = 1.25;
+/// the 4-bit matmuls, but their kernels sum in different orders, and a last-bit difference
+/// in one layer's output can flip an 8-bit rounding of the next layer's input, so the gaps
+/// grow through 30 layers. Measured on logits of ~25-37 (665 compared): 0.74 with the
+/// portable kernels, 1.03 and 1.33 with AVX2 on two AMD EPYC kinds, 1.22 with AVX-512. The
+/// 1.33 is one position (prompt 8, position 17), where the portable kernels are off by 0.74
+/// on the same two tokens in the same direction, behind a top-1 lead of 7.
+const LOGIT_TOLERANCE: f32 = 1.5;
 /// Where llama.cpp's top-1 leads its top-2 by more than this, both must pick the same token.
 const CLEAR_MARGIN: f32 = 2.0 * LOGIT_TOLERANCE;
 
