@@ -148,7 +148,7 @@ fn integer_sums_at_the_extremes_do_not_overflow() {
         .map(|i| match i / k {
             0 => 1.0,
             1 => -1.0,
-            _ if (i % k) / BLOCK % 2 == 0 => 1.0,
+            _ if ((i % k) / BLOCK).is_multiple_of(2) => 1.0,
             _ => -1.0,
         })
         .collect();
