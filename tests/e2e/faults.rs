@@ -182,7 +182,18 @@ async fn a_killed_drafter_costs_speculation_and_rejoins_when_restarted() {
     )
     .await;
     let mut client = stack.client().await;
-    let copy_heavy = || request(PROMPTS[0], 32, true);
+    // Every step asks the drafter (fixed K): the adaptive policy may not ask at all where
+    // the verifier's cost curve says drafts do not pay (a slow machine, or one shared with
+    // the other tests' stacks), and then the dead drafter would never be noticed.
+    let copy_heavy = || {
+        let mut r = request(PROMPTS[0], 32, true);
+        r.speculation = Some(pb::SpeculationOptions {
+            max_k: 4,
+            fixed_k: true,
+            ..Default::default()
+        });
+        r
+    };
     let before = client.generate(copy_heavy()).await.unwrap().into_inner();
     assert!(
         before.stats.unwrap().proposed > 0,
