@@ -109,6 +109,27 @@ fn matmul_with(kernel: Kernel, packed: &QuantMatrix, x: &[f32], m: usize) -> Vec
     out
 }
 
+/// `kernel`'s product of `packed` (quantised from `q`) with `x` against [`reference`].
+fn assert_matches_reference(
+    kernel: Kernel,
+    q: &QTensor,
+    packed: &QuantMatrix,
+    x: &[f32],
+    m: usize,
+    case: &str,
+) {
+    let (want, mag) = reference(q, packed, x, m);
+    let got = matmul_with(kernel, packed, x, m);
+    for (i, (&got, &want)) in got.iter().zip(&want).enumerate() {
+        // The sum term of 4-bit formats travels as f16 (as in llama.cpp): ~1e-3.
+        let bound = 2e-3 * mag[i] + 1e-4;
+        assert!(
+            (got as f64 - want).abs() <= bound,
+            "{case} {kernel:?} [{i}]: {got} vs {want} (bound {bound})"
+        );
+    }
+}
+
 #[test]
 fn every_kernel_matches_the_reference_on_odd_shapes() {
     let kernels = Kernel::available();
@@ -117,18 +138,7 @@ fn every_kernel_matches_the_reference_on_odd_shapes() {
             let x = random(m * k, 100 + s as u64);
             for &kernel in &kernels {
                 let (q, packed) = matrix_for(format, n, k, s as u64, kernel);
-                let (want, mag) = reference(&q, &packed, &x, m);
-                let got = matmul_with(kernel, &packed, &x, m);
-                for i in 0..m * n {
-                    // The sum term of 4-bit formats travels as f16 (as in llama.cpp): ~1e-3.
-                    let bound = 2e-3 * mag[i] + 1e-4;
-                    assert!(
-                        (got[i] as f64 - want[i]).abs() <= bound,
-                        "{format:?} {kernel:?} m{m} n{n} k{k} [{i}]: {} vs {} (bound {bound})",
-                        got[i],
-                        want[i]
-                    );
-                }
+                assert_matches_reference(kernel, &q, &packed, &x, m, &format!("{format:?} m{m} n{n} k{k}"));
             }
         }
     }
@@ -157,17 +167,7 @@ fn integer_sums_at_the_extremes_do_not_overflow() {
         let q = QTensor::quantize(&t, format).unwrap();
         for kernel in Kernel::available() {
             let packed = QuantMatrix::from_qtensor_for(&q, kernel).expect("supported format");
-            let (want, mag) = reference(&q, &packed, &activations, m);
-            let got = matmul_with(kernel, &packed, &activations, m);
-            for i in 0..m * n {
-                let bound = 2e-3 * mag[i] + 1e-4;
-                assert!(
-                    (got[i] as f64 - want[i]).abs() <= bound,
-                    "{format:?} {kernel:?} [{i}]: {} vs {} (bound {bound})",
-                    got[i],
-                    want[i]
-                );
-            }
+            assert_matches_reference(kernel, &q, &packed, &activations, m, &format!("{format:?}"));
         }
     }
 }
