@@ -90,6 +90,31 @@ fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usiz
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// Seconds of a pass scoring n tokens after `depth` cached ones, logits at all n (as
+/// verification needs), for each n in `sizes`: the median of `reps` passes.
+pub(crate) fn pass_curve(
+    engine: &Engine,
+    depth: usize,
+    sizes: &[usize],
+    reps: usize,
+) -> anyhow::Result<Vec<(usize, f64)>> {
+    let vocab = engine.info().vocab_size;
+    let depth = depth.max(1);
+    let most = sizes.iter().copied().max().unwrap_or(1);
+    let base = tokens(100_000, depth + most, vocab);
+    time_pass(engine, "depth", &base[..depth], depth - 1)?;
+    let mut curve = Vec::new();
+    for &n in sizes {
+        let context: Vec<u32> = base[..depth + n].to_vec();
+        let times: Vec<f64> = (0..reps.max(1))
+            .map(|_| time_pass(engine, "depth", &context, depth))
+            .collect::<anyhow::Result<_>>()?;
+        curve.push((n, median(times)));
+    }
+    engine.release("depth");
+    Ok(curve)
+}
+
 fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figures> {
     let vocab = engine.info().vocab_size;
     let reps = args.repetitions.max(1);
@@ -106,22 +131,7 @@ fn measure_ours(engine: &Engine, args: &EngineBenchArgs) -> anyhow::Result<Figur
             )
         })
         .collect::<anyhow::Result<_>>()?;
-    // Scoring n tokens after DEPTH cached ones, logits at all n (as verification needs).
-    let depth = args.depth.max(1);
-    let base = tokens(100_000, depth + 16, vocab);
-    time_pass(engine, "depth", &base[..depth], depth - 1)?;
-    let mut pass_seconds = Vec::new();
-    for &n in &PASS_SIZES {
-        let context: Vec<u32> = base[..depth]
-            .iter()
-            .chain(&base[depth..depth + n])
-            .copied()
-            .collect();
-        let times: Vec<f64> = (0..reps)
-            .map(|_| time_pass(engine, "depth", &context, depth))
-            .collect::<anyhow::Result<_>>()?;
-        pass_seconds.push((n, median(times)));
-    }
+    let pass_seconds = pass_curve(engine, args.depth, &PASS_SIZES, reps)?;
     // Decode: one token per pass, greedy, after a 16-token prompt.
     let mut decode = Vec::new();
     for r in 0..reps.min(3) {

@@ -14,6 +14,10 @@ use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
 
 use crate::bench_cap::{Trace, oracle_cap, policy_replay};
+use crate::bench_engine::pass_curve;
+
+/// Passes per size when measuring the verifier's pass curve (the median is used).
+const PASS_CURVE_REPS: usize = 7;
 use crate::plot::{Panel, grouped_bars};
 
 /// The built-in workloads (`specd bench load` runs them too).
@@ -138,6 +142,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let (tokenizer, template) = (loaded.tokenizer.clone(), loaded.chat_template.clone());
     let settings = GeneratorSettings::default();
     let ngram = settings.ngram;
+    let engine = loaded.engine.clone();
     let generator = in_process(loaded, settings);
     // The prompt's tokens as the generator builds them (one user message, chat template).
     let prompt_tokens = |prompt: &str| -> anyhow::Result<Vec<u32>> {
@@ -218,21 +223,36 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         traces.push(workload_traces);
     }
     print_table(&all);
-    // Priced on the pass times this run measured (its speculative steps' passes).
-    let pass_seconds = |n: usize| generator.costs.pass_seconds(n);
+    // Priced on the verifier's pass curve, measured after the runs at the traces' mean
+    // decode depth (the cost model's learned curve, which steered the live policy, can
+    // drift far on a noisy machine: it is printed beside).
+    let all_traces: Vec<&Trace> = traces.iter().flatten().collect();
+    let depth = all_traces
+        .iter()
+        .map(|t| (t.prompt_len + t.context.len()) / 2)
+        .sum::<usize>()
+        / all_traces.len().max(1);
+    let sizes: Vec<usize> = (1..=args.max_k as usize + 1).collect();
+    let measured = {
+        let sizes = sizes.clone();
+        tokio::task::spawn_blocking(move || pass_curve(&engine, depth, &sizes, PASS_CURVE_REPS)).await??
+    };
+    let pass_seconds = |n: usize| measured[n.clamp(1, measured.len()) - 1].1;
+    let ratios = |f: &dyn Fn(usize) -> f64| {
+        (2..=5)
+            .map(|n| format!("{:.2}", f(n) / f(1)))
+            .collect::<Vec<_>>()
+            .join("/")
+    };
     let caps: Vec<f64> = traces
         .iter()
         .map(|t| oracle_cap(t, args.max_k as usize, ngram, pass_seconds))
         .collect();
     println!(
-        "\noracle-K cap (prompt lookup replayed on the plain outputs, each step verifying exactly the drafts that will be accepted, priced on this run's pass curve: n = 2..5 cost x{})",
-        (2..=5)
-            .map(|n| format!("{:.2}", pass_seconds(n) / pass_seconds(1)))
-            .collect::<Vec<_>>()
-            .join("/")
+        "\noracle-K cap (prompt lookup replayed on the plain outputs, each step verifying exactly the drafts that will be accepted) and policy replay (the orchestrator's K policy on the same outputs, free drafting, no transport), priced on the pass curve measured at depth {depth}: n = 2..5 cost x{} (the cost model had learned x{})",
+        ratios(&pass_seconds),
+        ratios(&|n| generator.costs.pass_seconds(n)),
     );
-    // The same replay with the orchestrator's K policy choosing (free drafting, no
-    // transport): what the policy's choices cost against the cap.
     let replays: Vec<f64> = traces
         .iter()
         .map(|t| policy_replay(t, args.max_k as usize, ngram, pass_seconds))
@@ -245,6 +265,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         std::fs::create_dir_all(parent)?;
     }
     let pass_curve: Vec<f64> = (1..=9).map(pass_seconds).collect();
+    let learned_curve: Vec<f64> = (1..=9).map(|n| generator.costs.pass_seconds(n)).collect();
     let json: Vec<_> = all
         .iter()
         .zip(&caps)
@@ -262,6 +283,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 "oracle_k_cap": cap,
                 "policy_replay": replay,
                 "pass_seconds_1_to_9": pass_curve,
+                "learned_pass_seconds_1_to_9": learned_curve,
                 "plain_traces": traces,
             })
         })
