@@ -21,6 +21,15 @@ pub struct Trace {
     pub prompt_len: usize,
 }
 
+/// How many of `drafts` greedy verification keeps: the prefix that matches what followed.
+fn kept(drafts: &[u32], actual: &[u32]) -> usize {
+    drafts
+        .iter()
+        .zip(actual)
+        .take_while(|(draft, actual)| draft == actual)
+        .count()
+}
+
 /// Plain-decoding speed over oracle-K speculative speed (≥ 1 means speculation could pay), over
 /// all `traces`' decode phases (after the first generated token, as the bench measures),
 /// with drafts capped at `max_k`. `pass_seconds(n)` is the verifier's time for a pass of n
@@ -37,12 +46,7 @@ pub fn oracle_cap(
         let mut at = trace.prompt_len + 1;
         while at < end {
             let proposal = propose(&trace.context[..at], max_k.min(end - at - 1), config);
-            let accepted = proposal
-                .tokens
-                .iter()
-                .zip(&trace.context[at..])
-                .take_while(|(draft, actual)| draft == actual)
-                .count();
+            let accepted = kept(&proposal.tokens, &trace.context[at..]);
             seconds += pass_seconds(1 + accepted);
             tokens += accepted + 1;
             at += accepted + 1;
@@ -93,11 +97,7 @@ pub fn policy_replay(
                 let group = bucket(proposal.match_length);
                 k = policy.choose(proposal.tokens.len(), group, &costs);
                 policy.record_ask(k > 0);
-                let accepted = proposal.tokens[..k]
-                    .iter()
-                    .zip(&trace.context[at..])
-                    .take_while(|(draft, actual)| draft == actual)
-                    .count();
+                let accepted = kept(&proposal.tokens[..k], &trace.context[at..]);
                 policy.record(k, accepted, group);
                 emitted += accepted;
             } else {

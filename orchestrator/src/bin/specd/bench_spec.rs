@@ -15,10 +15,10 @@ use specd_proto::v1 as pb;
 
 use crate::bench_cap::{Trace, oracle_cap, policy_replay};
 use crate::bench_engine::pass_curve;
+use crate::plot::{Panel, grouped_bars};
 
 /// Passes per size when measuring the verifier's pass curve (the median is used).
 const PASS_CURVE_REPS: usize = 7;
-use crate::plot::{Panel, grouped_bars};
 
 /// The built-in workloads (`specd bench load` runs them too).
 pub(crate) const DEFAULT_WORKLOADS: &str = include_str!("workloads.json");
@@ -232,11 +232,10 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         .map(|t| (t.prompt_len + t.context.len()) / 2)
         .sum::<usize>()
         / all_traces.len().max(1);
-    let sizes: Vec<usize> = (1..=args.max_k as usize + 1).collect();
-    let measured = {
-        let sizes = sizes.clone();
-        tokio::task::spawn_blocking(move || pass_curve(&engine, depth, &sizes, PASS_CURVE_REPS)).await??
-    };
+    // Sizes up to K + 1, and at least the 9 the JSON records.
+    let sizes: Vec<usize> = (1..=(args.max_k as usize + 1).max(9)).collect();
+    let measured =
+        tokio::task::spawn_blocking(move || pass_curve(&engine, depth, &sizes, PASS_CURVE_REPS)).await??;
     let pass_seconds = |n: usize| measured[n.clamp(1, measured.len()) - 1].1;
     let ratios = |f: &dyn Fn(usize) -> f64| {
         (2..=5)
