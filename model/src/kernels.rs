@@ -9,10 +9,10 @@
 //!   16 values).
 //!
 //! Implementations, chosen once at run time from the CPU's features (one binary runs on any
-//! x86-64 and uses the best it finds): with AVX-512 VNNI, 4-bit weights as blocks of 16
-//! weight rows (see [`Layout::Tiles`]) and 8-bit weights as interleaved blocks of 4 rows (see
-//! [`Layout::Lanes`]); with AMX-INT8 too, Q8_0 as tiles, whose products tile multiplies
-//! compute where enough rows share them; AVX2 + FMA (see [`Layout::Groups`] and
+//! x86-64 and uses the best it finds): with AVX-512 VNNI, 4-bit and Q8_0 weights as blocks of
+//! 16 weight rows (see [`Layout::Tiles`]) and Q6_K as interleaved blocks of 4 rows (see
+//! [`Layout::Lanes`]); with AMX-INT8 too, tile multiplies compute the tile layout's products
+//! where enough rows share them; AVX2 + FMA (see [`Layout::Groups`] and
 //! [`Layout::Lanes`]); and a portable version over plain rows for everything else.
 //! Multi-row: each weight block is loaded and unpacked once for a tile of up to 8 (16 for
 //! tiles) activation rows, which is what makes scoring K + 1 tokens cheaper than K + 1
@@ -72,7 +72,7 @@ enum Layout {
     /// row), then `[row][block]` f16 scales (Q6_K: `[row][block][half]`). The metadata
     /// layout, with `[row][block]` minimums for 4-bit weights, is also [`Layout::Lanes`]'s.
     Groups,
-    /// For the AVX-512 kernels of 8-bit weights, and the AVX2 kernel of 4-bit weights (which
+    /// For the AVX-512 kernel of Q6_K weights, and the AVX2 kernel of 4-bit weights (which
     /// reads each 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a
     /// record ("slots" s = 2 · row + block) interleaved across four 64-byte registers:
     /// register j holds, for every slot, values `4j..4j + 4` and `16 + 4j..16 + 4j + 4` at
@@ -80,8 +80,8 @@ enum Layout {
     /// 4-bit: registers 0 and 1 share 64 bytes (low and high nibbles), as do 2 and 3; 8-bit:
     /// four 64-byte registers of values offset by 128 (unsigned). Metadata as in `Groups`.
     Lanes,
-    /// For the AMX kernels (4-bit and Q8_0 weights) and the AVX-512 VNNI kernels of 4-bit
-    /// weights: groups of 16 rows (zero-padded), and
+    /// For the AMX and AVX-512 VNNI kernels of 4-bit and Q8_0 weights: groups of 16 rows
+    /// (zero-padded), and
     /// within a group one record per block, each an AMX weight tile: tile row r (values
     /// `4r..4r + 4`) holds those 4 values of every weight row n at bytes `4n..4n + 4`. 8-bit
     /// records are those 8 × 64 bytes (signed); 4-bit records 4 × 64 bytes whose low nibbles
@@ -115,6 +115,10 @@ pub struct QuantizedRows {
     scales: Vec<f32>,
     sums: Vec<f32>,
     quants: Vec<i8>,
+    /// Per block, `−128 · Σq`: what 8-bit weights offset by 128 (unsigned, as `vpdpbusd`
+    /// needs) add to a block's integer sum, so the tile kernels start from it (filled by the
+    /// AVX-512 quantiser, the only one whose kernels read it).
+    offsets: Vec<i32>,
     /// For the lane kernels (filled by the AVX-512 and AVX2 quantisers): per row and block
     /// pair, the values interleaved as [`Layout::Lanes`] reads them (64 bytes: for j in
     /// 0..4, 8 bytes of the first block then 8 of the second, each as in a weight slot), the
@@ -152,10 +156,10 @@ impl QuantMatrix {
         let matrix = repack::repack(tensor.dtype(), n, k, &data)?;
         Some(match kernel {
             // Q6_K's scale per 16 values does not fit a 32-value tile: it keeps the lane
-            // kernels, as do 8-bit weights without AMX (measured: faster than tiles from
-            // about 5 rows there; 4-bit weights are 1.4–1.6× faster in tiles at 1–8 rows).
-            Kernel::Amx if matrix.family != Family::Bytes16 => matrix.into_layout(Layout::Tiles),
-            Kernel::Avx512Vnni if matrix.family == Family::Nibbles => matrix.into_layout(Layout::Tiles),
+            // kernels.
+            Kernel::Amx | Kernel::Avx512Vnni if matrix.family != Family::Bytes16 => {
+                matrix.into_layout(Layout::Tiles)
+            }
             Kernel::Amx | Kernel::Avx512Vnni => matrix.into_layout(Layout::Lanes),
             // AVX2 has no `vpdpbusd`: the lane layout pays for 4-bit weights (whose `maddubs`
             // products can be summed in i16), not for 8-bit ones.
@@ -430,28 +434,23 @@ impl QuantMatrix {
                 "weights in the lane layout need the AVX-512 kernels"
             );
             let group = j0 / COL_TILE;
-            macro_rules! rows {
-                ($f:ident $(, $halves:literal)?) => {
-                    // SAFETY: lane-layout weights exist only when the CPU has AVX-512 VNNI
-                    // (see `from_qtensor_for`); the kernel checks every bound it uses.
-                    unsafe {
-                        match count {
-                            8 => avx512::$f::<8 $(, $halves)?>(self, group, x, r0, out),
-                            7 => avx512::$f::<7 $(, $halves)?>(self, group, x, r0, out),
-                            6 => avx512::$f::<6 $(, $halves)?>(self, group, x, r0, out),
-                            5 => avx512::$f::<5 $(, $halves)?>(self, group, x, r0, out),
-                            4 => avx512::$f::<4 $(, $halves)?>(self, group, x, r0, out),
-                            3 => avx512::$f::<3 $(, $halves)?>(self, group, x, r0, out),
-                            2 => avx512::$f::<2 $(, $halves)?>(self, group, x, r0, out),
-                            _ => avx512::$f::<1 $(, $halves)?>(self, group, x, r0, out),
-                        }
-                    }
-                };
-            }
-            match self.family {
-                Family::Nibbles => unreachable!("4-bit weights take the tile layout with AVX-512"),
-                Family::Bytes => rows!(q8_lanes, 1),
-                Family::Bytes16 => rows!(q8_lanes, 2),
+            assert!(
+                self.family == Family::Bytes16,
+                "only Q6_K takes the lane layout with AVX-512"
+            );
+            // SAFETY: lane-layout weights exist only when the CPU has AVX-512 VNNI (see
+            // `from_qtensor_for`); the kernel checks every bound it uses.
+            unsafe {
+                match count {
+                    8 => avx512::q6k_lanes::<8>(self, group, x, r0, out),
+                    7 => avx512::q6k_lanes::<7>(self, group, x, r0, out),
+                    6 => avx512::q6k_lanes::<6>(self, group, x, r0, out),
+                    5 => avx512::q6k_lanes::<5>(self, group, x, r0, out),
+                    4 => avx512::q6k_lanes::<4>(self, group, x, r0, out),
+                    3 => avx512::q6k_lanes::<3>(self, group, x, r0, out),
+                    2 => avx512::q6k_lanes::<2>(self, group, x, r0, out),
+                    _ => avx512::q6k_lanes::<1>(self, group, x, r0, out),
+                }
             }
             return;
         }
@@ -611,6 +610,7 @@ impl QuantizedRows {
         self.blocks = blocks;
         self.scales.clear();
         self.sums.clear();
+        self.offsets.clear();
         self.quants.clear();
         self.quants.resize(m * k, 0);
         self.lanes_ready = false;
@@ -632,6 +632,7 @@ impl QuantizedRows {
                         &mut self.quants,
                         &mut self.scales,
                         &mut self.sums,
+                        &mut self.offsets,
                         &mut self.lane_quants,
                         &mut self.lane_scales,
                         &mut self.lane_offsets,

@@ -1,5 +1,6 @@
-//! AVX-512 VNNI kernels over 8-bit weights in the lane layout (see `Layout::Lanes`; 4-bit
-//! weights take the tile layout and `tiles.rs` with AVX-512). A record holds
+//! AVX-512 VNNI kernels over Q6_K weights in the lane layout (see `Layout::Lanes`; 4-bit and
+//! Q8_0 weights take the tile layout and `tiles.rs`, whose 32-value records Q6_K's scale per
+//! 16 values does not fit), and the AVX-512 activation quantiser. A record holds
 //! two 32-value blocks of 4 weight rows (8 "slots"); each of its four 512-bit registers holds
 //! 8 values of every slot, so `vpdpbusd` works on all 8 blocks at once and four of them sum a
 //! whole record into one register per activation row: each 32-bit lane then holds the
@@ -16,21 +17,6 @@ use std::arch::x86_64::*;
 
 use super::groups::{check, check_lanes, prefetch};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
-
-/// The group's f16 metadata for one record, `[row][block]`, as 8 floats.
-#[inline]
-#[target_feature(enable = "avx512f,f16c")]
-unsafe fn meta8(v: *const u16) -> __m256 {
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v as *const __m128i)) }
-}
-
-/// Slot scales `[row][block]` spread to their two lanes each (lanes 2s and 2s + 1).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn spread_slots(meta: __m256) -> __m512 {
-    let index = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    _mm512_permutexvar_ps(index, _mm512_castps256_ps512(meta))
-}
 
 /// One record's integer dot products with activation row `r`'s pair `p`: lane 4c + 2h + l
 /// holds Σ over values 16l..16l + 16 of block 2p + h, weight row c. `start` is the initial
@@ -82,16 +68,15 @@ fn lane_sums(acc: __m512) -> [f32; 16] {
     lanes
 }
 
-/// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0)
-/// or per 16 values (`HALVES` = 2, Q6_K). The weights are stored offset by 128 (`vpdpbusd`
+/// Q6_K weights (signed bytes, one scale per 16 values) × int8 activations. The weights are
+/// stored offset by 128 (`vpdpbusd`
 /// needs an unsigned side); the accumulator starts at −128 · Σx over each lane's values
 /// (`QuantizedRows::lane_offsets`), which removes the offset exactly.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the lane layout and of an
-/// 8-bit family with `HALVES` scales per block.
+/// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be Q6_K in the lane layout.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
+pub unsafe fn q6k_lanes<const R: usize>(
     w: &QuantMatrix,
     group: usize,
     x: &QuantizedRows,
@@ -100,7 +85,7 @@ pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
 ) {
     check(w, group, x, r0, R, 2 * BLOCK);
     check_lanes(x, r0, R);
-    assert!(w.halves() == HALVES);
+    assert!(w.halves() == 2, "Q6_K: two scales per block");
     let pairs = x.blocks.div_ceil(2);
     let mut acc = [_mm512_setzero_ps(); R];
     for p in 0..pairs {
@@ -108,13 +93,9 @@ pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
         prefetch(w, record, 2 * BLOCK);
         // SAFETY: the record is in bounds (checked above): its scales and 256 bytes.
         let (dw, weights) = unsafe {
-            let at = w.scales.as_ptr().add(record * 2 * HALVES * COL_TILE);
-            let dw = if HALVES == 1 {
-                spread_slots(meta8(at))
-            } else {
-                // Lane 4c + 2h + l: row c, block h, half l: the stored order.
-                _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i))
-            };
+            let at = w.scales.as_ptr().add(record * 4 * COL_TILE);
+            // Lane 4c + 2h + l: row c, block h, half l: the stored order.
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i));
             let q = w.quants.as_ptr().add(record * 8 * BLOCK);
             let weights = [0, 1, 2, 3].map(|j| _mm512_loadu_si512(q.add(64 * j) as *const __m512i));
             (dw, weights)
@@ -141,7 +122,8 @@ pub unsafe fn q8_lanes<const R: usize, const HALVES: usize>(
 }
 
 /// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and pushes each block's
-/// scale and scaled sum, with exactly the arithmetic of the portable version (max |x| / 127,
+/// scale, scaled sum and offset correction `−128 · Σq` (for 8-bit weights offset to unsigned
+/// in the tile kernels), with exactly the arithmetic of the portable version (max |x| / 127,
 /// multiply by its inverse, round half to even, f16 scale), sixteen lanes at a time. Unless
 /// the lane buffers are empty, also writes the interleaved copy the lane kernels read: per
 /// row and block pair, value v of block h at byte `16 · (v % 16 / 4) + 8h + 4 · (v / 16) + v
@@ -159,6 +141,7 @@ pub unsafe fn quantize(
     quants: &mut [i8],
     scales: &mut Vec<f32>,
     sums: &mut Vec<f32>,
+    offsets: &mut Vec<i32>,
     lane_quants: &mut [i8],
     lane_scales: &mut [f32],
     lane_offsets: &mut [i32],
@@ -202,6 +185,7 @@ pub unsafe fn quantize(
         sums.push(super::to_f32(super::to_f16(
             d * (half_sums[0] + half_sums[1]) as f32,
         )));
+        offsets.push(-128 * (half_sums[0] + half_sums[1]));
         if !lanes {
             continue;
         }

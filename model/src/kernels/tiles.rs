@@ -108,6 +108,10 @@ pub(super) fn check(
     assert!(outputs >= rows * TILE_COLS, "the output holds a tile");
     assert!((1..=TILE_ROWS).contains(&rows) && r0 + rows <= x.m && w.k == x.k);
     assert!(x.quants.len() >= x.m * x.k && x.scales.len() >= x.m * nb && x.sums.len() >= x.m * nb);
+    assert!(
+        nibbles || x.offsets.len() >= x.m * nb,
+        "8-bit weights need the offset corrections"
+    );
     let records = (group + 1) * nb;
     let record_bytes = if nibbles { NIBBLE_RECORD } else { BYTE_RECORD };
     assert!(w.quants.len() >= records * record_bytes && w.scales.len() >= records * TILE_COLS);
@@ -116,8 +120,8 @@ pub(super) fn check(
 
 /// Weight rows `16 · group .. + 16` (4-bit with `NIBBLES`, else signed 8-bit) × activation
 /// rows `r0..r0 + R` into `out[t * 16 + c]`, with AVX-512 VNNI; bit for bit what
-/// `amx::tiles` computes. Signed 8-bit weights go in as |w| against the activations negated
-/// where w < 0 (activations lie in −127..=127).
+/// `amx::tiles` computes. Signed 8-bit weights go in as w + 128 (unsigned), their block sums
+/// starting from `−128 · Σx` (`QuantizedRows::offsets`), which removes the offset exactly.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW, VL and VNNI; `w` must be in the tile layout.
@@ -134,14 +138,14 @@ pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
     let record_bytes = if NIBBLES { NIBBLE_RECORD } else { BYTE_RECORD };
     let mut acc = [_mm512_setzero_ps(); R];
     let low = _mm512_set1_epi8(0x0F);
+    let offset = _mm512_set1_epi8(i8::MIN);
     for b in 0..nb {
         let record = group * nb + b;
         // SAFETY: the record is in bounds (checked above).
-        let (weights, negative, (dw, mins)) = unsafe {
+        let (weights, (dw, mins)) = unsafe {
             let at = w.quants.as_ptr().add(record * record_bytes);
             prefetch_ahead(w, record, record_bytes);
             let mut weights = [_mm512_setzero_si512(); 8];
-            let mut negative = [0u64; 8];
             if NIBBLES {
                 for j in 0..4 {
                     let packed = _mm512_loadu_si512(at.add(64 * j) as *const __m512i);
@@ -151,27 +155,30 @@ pub unsafe fn q_tiles<const R: usize, const NIBBLES: bool>(
             } else {
                 for r in 0..8 {
                     let signed = _mm512_loadu_si512(at.add(64 * r) as *const __m512i);
-                    negative[r] = _mm512_movepi8_mask(signed);
-                    weights[r] = _mm512_abs_epi8(signed);
+                    // w XOR 0x80 is w + 128 as an unsigned byte.
+                    weights[r] = _mm512_xor_si512(signed, offset);
                 }
             }
-            (weights, negative, record_meta::<NIBBLES>(w, record))
+            (weights, record_meta::<NIBBLES>(w, record))
         };
         for t in 0..R {
             let row = r0 + t;
             // SAFETY: row `row`'s block b is in bounds (checked above).
             let (sums, dx, sx) = unsafe {
                 let xs = x.quants.as_ptr().add(row * k + b * BLOCK) as *const i32;
-                // Two chains of four: integer sums are exact in any order.
-                let mut chains = [_mm512_setzero_si512(); 2];
+                let at = row * nb + b;
+                // Two chains of four: integer sums are exact in any order. Offset 8-bit
+                // weights start from the offset's correction.
+                let start = if NIBBLES {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_set1_epi32(*x.offsets.get_unchecked(at))
+                };
+                let mut chains = [start, _mm512_setzero_si512()];
                 for r in 0..8 {
-                    let mut values = _mm512_set1_epi32(xs.add(r).read_unaligned());
-                    if !NIBBLES {
-                        values = _mm512_mask_sub_epi8(values, negative[r], _mm512_setzero_si512(), values);
-                    }
+                    let values = _mm512_set1_epi32(xs.add(r).read_unaligned());
                     chains[r % 2] = _mm512_dpbusd_epi32(chains[r % 2], weights[r], values);
                 }
-                let at = row * nb + b;
                 (
                     _mm512_add_epi32(chains[0], chains[1]),
                     *x.scales.get_unchecked(at),
