@@ -37,7 +37,7 @@ pub struct EngineBenchArgs {
     #[arg(long, default_value_t = 64)]
     depth: usize,
     /// Also measure this many sessions decoding at once, batched against one job per
-    /// forward pass (0: skip).
+    /// forward pass, and with `--profile` profile their batched passes (0: skip).
     #[arg(long, default_value_t = 16)]
     sessions: usize,
     #[command(flatten)]
@@ -248,6 +248,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
             &loaded.engine,
             args.depth.max(1),
             args.profile_rows,
+            args.sessions,
         )?)
     } else {
         None
