@@ -71,7 +71,12 @@ fn profile_passes(engine: &Engine, n: usize, depth: usize, vocab: usize) -> anyh
 /// Passes of `sessions` sequences (streams of their own, `depth` tokens cached each) taking
 /// [`SESSION_STEPS`] greedy steps at once, one thread each, so each pass batches whichever
 /// steps are ready.
-fn profile_sessions(engine: &Engine, sessions: usize, depth: usize, vocab: usize) -> anyhow::Result<ForwardProfile> {
+fn profile_sessions(
+    engine: &Engine,
+    sessions: usize,
+    depth: usize,
+    vocab: usize,
+) -> anyhow::Result<ForwardProfile> {
     let names: Vec<String> = (0..sessions).map(|s| format!("profile-session-{s}")).collect();
     let mut contexts: Vec<Vec<u32>> = (0..sessions)
         .map(|s| {
@@ -107,7 +112,12 @@ fn profile_sessions(engine: &Engine, sessions: usize, depth: usize, vocab: usize
 
 /// Profiles one-token decode and n-token scoring at `depth`, and `sessions` sequences
 /// decoding together (0: not).
-pub fn measure(engine: &Engine, depth: usize, scored_rows: usize, sessions: usize) -> anyhow::Result<Profile> {
+pub fn measure(
+    engine: &Engine,
+    depth: usize,
+    scored_rows: usize,
+    sessions: usize,
+) -> anyhow::Result<Profile> {
     let vocab = engine.info().vocab_size;
     let decode = profile_passes(engine, 1, depth, vocab)?;
     let scored = profile_passes(engine, scored_rows.max(1), depth, vocab)?;
