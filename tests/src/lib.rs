@@ -3,7 +3,6 @@
 
 pub mod otlp;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,13 +33,10 @@ macro_rules! binaries {
     };
 }
 
-/// A port nothing listens on right now.
+/// A loopback port nothing listens on right now, outside the range outgoing connections
+/// take their source ports from (see `specd_common::ports`).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    specd_common::ports::free_local_port().expect("a free loopback port")
 }
 
 /// The default model's path, fetched once into the cache if needed.

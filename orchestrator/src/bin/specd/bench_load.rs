@@ -98,7 +98,7 @@ impl Drop for Proc {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(specd_common::ports::free_local_port()?)
 }
 
 fn spawn(bin_dir: &Path, name: &str, port: u16, args: &[String], threads: usize) -> anyhow::Result<Proc> {
