@@ -7,7 +7,9 @@
 //! Before each run the CPU caches are flushed by streaming 64 MB, as a real pass's weight
 //! stream evicts the KV cache between one pass and the next. Each figure is the minimum
 //! over repetitions. `SPECD_BENCH_THREADS` sets the thread count (default 1),
-//! `SPECD_BENCH_REPS` the repetitions (default 15), `SPECD_BENCH_DEPTH` the depth (256).
+//! `SPECD_BENCH_REPS` the repetitions (default 15), `SPECD_BENCH_DEPTH` the depth (256);
+//! `SPECD_BENCH_FLUSH=0` keeps the caches warm instead (what is left is the arithmetic, as
+//! far as the caches fit the CPU's).
 
 use std::time::Instant;
 
@@ -81,6 +83,7 @@ fn pass_ms(
     (0..reps)
         .map(|rep| {
             // Evict the caches (a real pass streams ~100 MB of weights between two passes).
+            // An empty flush buffer keeps them warm.
             for (i, b) in flush.iter_mut().enumerate().step_by(64) {
                 *b = b.wrapping_add((i + rep) as u8);
             }
@@ -110,9 +113,11 @@ fn main() {
     specd_model::set_compute_threads(threads);
     let layout = KeyLayout::for_this_cpu(SHAPE.head_dim);
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let mut flush = vec![0u8; 64 << 20];
+    let flushed = env("SPECD_BENCH_FLUSH", 1) != 0;
+    let mut flush = vec![0u8; if flushed { 64 << 20 } else { 0 }];
     println!(
-        "attention: {layout:?} keys · depth {depth} · {threads} thread(s) · minimum of {reps} runs · 30 layers"
+        "attention: {layout:?} keys · depth {depth} · {threads} thread(s) · minimum of {reps} runs · 30 layers · caches {}",
+        if flushed { "flushed" } else { "warm" }
     );
     println!(
         "{:>9} {:>5} {:>10} {:>8} {:>12}",
