@@ -33,6 +33,30 @@ fn prompt(session: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Takes `steps` greedy decode steps in each of the sequences `names` (contexts beside them),
+/// all at once, one thread each: each forward pass batches whichever steps are ready, as under
+/// load.
+pub(crate) fn decode_together(
+    engine: &Engine,
+    names: &[String],
+    contexts: &mut [Vec<u32>],
+    steps: usize,
+) -> anyhow::Result<()> {
+    std::thread::scope(|scope| -> anyhow::Result<()> {
+        let workers: Vec<_> = names
+            .iter()
+            .zip(contexts.iter_mut())
+            .map(|(name, context)| {
+                scope.spawn(move || (0..steps).try_for_each(|_| step(engine, name, context)))
+            })
+            .collect();
+        for worker in workers {
+            worker.join().expect("a decoding thread panicked")?;
+        }
+        Ok(())
+    })
+}
+
 pub fn measure(engine: &Engine, sessions: usize, steps: usize) -> anyhow::Result<Batching> {
     let vocab = engine.info().vocab_size;
     let run = |mode: &str, batched: bool| -> anyhow::Result<f64> {
@@ -43,19 +67,7 @@ pub fn measure(engine: &Engine, sessions: usize, steps: usize) -> anyhow::Result
         }
         let started = Instant::now();
         if batched {
-            std::thread::scope(|scope| -> anyhow::Result<()> {
-                let workers: Vec<_> = names
-                    .iter()
-                    .zip(&mut contexts)
-                    .map(|(name, context)| {
-                        scope.spawn(move || (0..steps).try_for_each(|_| step(engine, name, context)))
-                    })
-                    .collect();
-                for worker in workers {
-                    worker.join().expect("a decoding thread panicked")?;
-                }
-                Ok(())
-            })?;
+            decode_together(engine, &names, &mut contexts, steps)?;
         } else {
             for _ in 0..steps {
                 for (name, context) in names.iter().zip(&mut contexts) {

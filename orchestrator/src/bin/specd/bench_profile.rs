@@ -9,6 +9,7 @@
 use specd_model::host::{ForwardProfile, Phase, pool_dispatch_seconds};
 use specd_model::{Engine, ScoreRequest};
 
+use crate::bench_batching::decode_together;
 use crate::bench_engine::greedy_step;
 
 /// Passes profiled per shape.
@@ -69,8 +70,7 @@ fn profile_passes(engine: &Engine, n: usize, depth: usize, vocab: usize) -> anyh
 }
 
 /// Passes of `sessions` sequences (streams of their own, `depth` tokens cached each) taking
-/// [`SESSION_STEPS`] greedy steps at once, one thread each, so each pass batches whichever
-/// steps are ready.
+/// [`SESSION_STEPS`] greedy steps together ([`decode_together`]).
 fn profile_sessions(
     engine: &Engine,
     sessions: usize,
@@ -89,19 +89,7 @@ fn profile_sessions(
         greedy_step(engine, name, context)?; // the prompt, not profiled
     }
     engine.start_profile();
-    let stepped = std::thread::scope(|scope| -> anyhow::Result<()> {
-        let workers: Vec<_> = names
-            .iter()
-            .zip(&mut contexts)
-            .map(|(name, context)| {
-                scope.spawn(move || (0..SESSION_STEPS).try_for_each(|_| greedy_step(engine, name, context)))
-            })
-            .collect();
-        for worker in workers {
-            worker.join().expect("a decoding thread panicked")?;
-        }
-        Ok(())
-    });
+    let stepped = decode_together(engine, &names, &mut contexts, SESSION_STEPS);
     let profile = engine.take_profile().unwrap_or_default();
     for name in &names {
         engine.release(name);
