@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use specd_model::Engine;
 
-use crate::bench_engine::{greedy_step as step, median};
+use crate::bench_engine::{greedy_step as step, median, session_tokens};
 
 #[derive(Debug, serde::Serialize)]
 pub struct Batching {
@@ -26,12 +26,6 @@ const PAIRS: usize = 3;
 
 /// Prompt tokens each session starts from (processed before timing).
 const PROMPT: usize = 64;
-
-fn prompt(session: usize, vocab: usize) -> Vec<u32> {
-    (0..PROMPT)
-        .map(|i| ((i * 7919 + session * 104_729 + 13) % vocab) as u32)
-        .collect()
-}
 
 /// Takes `steps` greedy decode steps in each of the sequences `names` (contexts beside them),
 /// all at once, one thread each: each forward pass batches whichever steps are ready, as under
@@ -61,7 +55,7 @@ pub fn measure(engine: &Engine, sessions: usize, steps: usize) -> anyhow::Result
     let vocab = engine.info().vocab_size;
     let run = |mode: &str, batched: bool| -> anyhow::Result<f64> {
         let names: Vec<String> = (0..sessions).map(|s| format!("{mode}-{s}")).collect();
-        let mut contexts: Vec<Vec<u32>> = (0..sessions).map(|s| prompt(s, vocab)).collect();
+        let mut contexts: Vec<Vec<u32>> = (0..sessions).map(|s| session_tokens(s, PROMPT, vocab)).collect();
         for (name, context) in names.iter().zip(&mut contexts) {
             step(engine, name, context)?; // the prompt, untimed
         }

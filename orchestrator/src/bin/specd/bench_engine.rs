@@ -74,10 +74,16 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
 /// `n` arbitrary but fixed ids spread over the vocabulary, from a stream at `offset`: streams
 /// at offsets far apart share no prefix, so the engine cannot copy one sequence's cache into
 /// another instead of computing it.
-fn tokens(offset: usize, n: usize, vocab: usize) -> Vec<u32> {
+pub(crate) fn tokens(offset: usize, n: usize, vocab: usize) -> Vec<u32> {
     (offset..offset + n)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect()
+}
+
+/// Session `session`'s stream of `n` tokens (see [`tokens`]): sessions' streams share no
+/// prefix with each other or with the streams above.
+pub(crate) fn session_tokens(session: usize, n: usize, vocab: usize) -> Vec<u32> {
+    tokens(1_000_000 + 100_000 * session, n, vocab)
 }
 
 fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usize) -> anyhow::Result<f64> {

@@ -10,7 +10,7 @@ use specd_model::host::{ForwardProfile, Phase, pool_dispatch_seconds};
 use specd_model::{Engine, ScoreRequest};
 
 use crate::bench_batching::decode_together;
-use crate::bench_engine::greedy_step;
+use crate::bench_engine::{greedy_step, session_tokens, tokens};
 
 /// Passes profiled per shape.
 const PASSES: usize = 40;
@@ -41,7 +41,7 @@ pub struct Profile {
 }
 
 fn profile_passes(engine: &Engine, n: usize, depth: usize, vocab: usize) -> anyhow::Result<ForwardProfile> {
-    let base: Vec<u32> = (0..depth + n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let base = tokens(0, depth + n, vocab);
     let sequence = format!("profile-{n}");
     engine.score_blocking(ScoreRequest {
         sequence: sequence.clone(),
@@ -78,13 +78,7 @@ fn profile_sessions(
     vocab: usize,
 ) -> anyhow::Result<ForwardProfile> {
     let names: Vec<String> = (0..sessions).map(|s| format!("profile-session-{s}")).collect();
-    let mut contexts: Vec<Vec<u32>> = (0..sessions)
-        .map(|s| {
-            (0..depth)
-                .map(|i| ((i * 7919 + (s + 1) * 104_729 + 13) % vocab) as u32)
-                .collect()
-        })
-        .collect();
+    let mut contexts: Vec<Vec<u32>> = (0..sessions).map(|s| session_tokens(s, depth, vocab)).collect();
     for (name, context) in names.iter().zip(&mut contexts) {
         greedy_step(engine, name, context)?; // the prompt, not profiled
     }
