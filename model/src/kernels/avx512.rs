@@ -121,6 +121,19 @@ pub unsafe fn q6k_lanes<const R: usize>(
     }
 }
 
+/// `value` rounded to the nearest f16 (ties to even) and back: `to_f32(to_f16(value))` in two
+/// instructions, where the `half` crate's conversions are calls.
+///
+/// # Safety
+/// The CPU must have F16C.
+#[inline]
+#[target_feature(enable = "f16c")]
+unsafe fn round_to_f16(value: f32) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
+        _mm_set_ss(value),
+    )))
+}
+
 /// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and pushes each block's
 /// scale, scaled sum and offset correction `−128 · Σq` (for 8-bit weights offset to unsigned
 /// in the tile kernels), with exactly the arithmetic of the portable version (max |x| / 127,
@@ -156,6 +169,10 @@ pub unsafe fn quantize(
                 && lane_scales.len() == rows * pairs * 4
                 && lane_offsets.len() == rows * pairs * 4)
     );
+    let total = x.len() / BLOCK;
+    scales.reserve(total);
+    sums.reserve(total);
+    offsets.reserve(total);
     for (g, (chunk, q)) in x
         .chunks_exact(BLOCK)
         .zip(quants.chunks_exact_mut(BLOCK))
@@ -174,18 +191,20 @@ pub unsafe fn quantize(
             let halves = [_mm512_cvtsepi32_epi8(q0), _mm512_cvtsepi32_epi8(q1)];
             _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, halves[0]);
             _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, halves[1]);
-            (
-                d,
-                halves,
-                [_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1)],
-            )
+            // One reduction for the block's sum; the lane copy needs each half's as well.
+            let half_sums = if lanes {
+                [_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1)]
+            } else {
+                [_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)), 0]
+            };
+            (d, halves, half_sums)
         };
-        let d16 = super::to_f32(super::to_f16(d));
+        let sum = half_sums[0] + half_sums[1];
+        // SAFETY: the CPU has F16C (this function's features).
+        let (d16, scaled_sum) = unsafe { (round_to_f16(d), round_to_f16(d * sum as f32)) };
         scales.push(d16);
-        sums.push(super::to_f32(super::to_f16(
-            d * (half_sums[0] + half_sums[1]) as f32,
-        )));
-        offsets.push(-128 * (half_sums[0] + half_sums[1]));
+        sums.push(scaled_sum);
+        offsets.push(-128 * sum);
         if !lanes {
             continue;
         }
