@@ -32,21 +32,26 @@ pub const PASS_TABLE: usize = 256;
 /// A pass counts for at most this many times the estimate it updates. Noise on a shared
 /// machine only ever slows a pass (preemption, interrupts), and an estimate pushed up
 /// corrects itself only if the policy runs that size again, which it avoids once the size
-/// looks dear: so one slow pass moves an estimate by at most `PASS_WEIGHT_UP` of this.
+/// looks dear: so one slow pass moves an estimate by at most `EMA_WEIGHT` of this.
 const OUTLIER_FACTOR: f64 = 2.0;
-/// Weights of a pass time in its size's estimate, when slower and when faster than it. As
-/// noise only slows passes, an estimate follows faster passes quickly and slower ones
-/// slowly: it sits near the machine's undisturbed time for that size rather than at the
-/// mean of the disturbed ones. A plain average let the sizes the policy runs less often
-/// keep whatever burst of noise they were last measured in (on a 2-core machine, the
-/// learned price of 3 tokens read 1.75 passes of one where undisturbed passes take 1.07),
-/// pricing drafts out. A real slowdown (deeper context, more load) is still followed
-/// within a few dozen passes.
+/// Weights of a one-sequence pass's time in its size's estimate, when slower and when
+/// faster than it. Passes of one sequence and a given size do the same work, and noise only
+/// slows them, so the estimate follows faster passes quickly and slower ones slowly: it sits
+/// near the machine's undisturbed time for that size rather than at the mean of the
+/// disturbed ones. A plain average let the sizes the policy runs less often keep whatever
+/// burst of noise they were last measured in (on a 2-core machine, the learned price of 3
+/// tokens read 1.75 passes of one where undisturbed passes take 1.07), pricing drafts out. A
+/// real slowdown (deeper context) is still followed within a few dozen passes. Batched
+/// passes of one size differ in what they hold (a prompt chunk's rows share one cache,
+/// sessions' rows each read their own), so their times are averaged (`EMA_WEIGHT`): a low
+/// estimate there would price the dear kind of row at the cheap kind's time.
 const PASS_WEIGHT_UP: f64 = 0.1;
-/// A size not measured in this many passes drops out of the curve, which its fresher
-/// neighbours then fill in. Context grows and load moves, and a size the policy has stopped
-/// running (because it looked dear) would otherwise keep its price forever: this way the
-/// policy tries it again when its neighbours say it pays, and measures it anew.
+/// A size last measured in a one-sequence pass and not since in this many passes drops out
+/// of the curve, which its fresher neighbours then fill in. A size a lone session has
+/// stopped running (because it looked dear) would otherwise keep its price forever: this
+/// way the policy tries it again when its neighbours say it pays, and measures it anew.
+/// Batched sizes keep theirs: under load the sizes spread widely, each is measured rarely,
+/// and the curve would be rebuilt from a few noisy neighbours.
 const STALE_AFTER: u64 = 64;
 const PASS_WEIGHT_DOWN: f64 = 0.5;
 
@@ -59,9 +64,11 @@ pub struct CostModel {
 struct Costs {
     /// Forward-pass seconds for n tokens (index n − 1), once seen.
     pass: Vec<Option<f64>>,
-    /// Passes recorded so far, and the count when each size was last measured.
+    /// Passes recorded so far; the count when each size was last measured, and whether
+    /// that pass held one sequence.
     passes: u64,
     pass_measured_at: Vec<u64>,
+    pass_alone: Vec<bool>,
     /// Before any pass is measured: `prior_base + prior_per_token · (n − 1)`.
     prior_base: f64,
     prior_per_token: f64,
@@ -88,6 +95,7 @@ impl Default for CostModel {
                 pass: vec![None; PASS_TABLE],
                 passes: 0,
                 pass_measured_at: vec![0; PASS_TABLE],
+                pass_alone: vec![false; PASS_TABLE],
                 prior_base: 0.02,
                 prior_per_token: 0.0134,
                 round_trip: 0.0,
@@ -116,20 +124,22 @@ impl CostModel {
         let mut c = self.lock();
         let n = batch_tokens as usize;
         if (1..=PASS_TABLE).contains(&n) {
+            let one_sequence = batch_size <= 1;
             let estimate = match c.pass[n - 1] {
-                Some(old) => pass_estimate(old, forward_seconds),
+                Some(old) => pass_estimate(old, forward_seconds, one_sequence),
                 // A size's first pass, slower than its neighbours imply: it moves the
                 // neighbours' estimate as a later pass would move its own. (A faster one is
                 // taken as it is: noise does not make passes faster.) Only first passes
                 // build the curve, so the call path of every other step stays as it was.
                 None => match c.curve().predicted(n) {
-                    Some(p) if forward_seconds > p => pass_estimate(p, forward_seconds),
+                    Some(p) if forward_seconds > p => pass_estimate(p, forward_seconds, one_sequence),
                     _ => forward_seconds,
                 },
             };
             c.pass[n - 1] = Some(estimate);
             c.passes += 1;
             c.pass_measured_at[n - 1] = c.passes;
+            c.pass_alone[n - 1] = one_sequence;
         }
         let round_trip = (call_seconds - forward_seconds - queue_seconds).max(0.0);
         c.round_trip = ema(c.round_trip, round_trip);
@@ -221,14 +231,16 @@ impl Costs {
         seconds
     }
 
-    /// The measured passes, smallest first: those measured in the last [`STALE_AFTER`]
-    /// passes, unless fewer than two were.
+    /// The measured passes, smallest first, less sizes last measured in a one-sequence
+    /// pass more than [`STALE_AFTER`] passes ago (unless fewer than two would be left).
     fn curve(&self) -> PassCurve {
         let measured = |fresh_only: bool| -> Vec<(usize, f64)> {
             self.pass
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| !fresh_only || self.passes - self.pass_measured_at[i] < STALE_AFTER)
+                .filter(|&(i, _)| {
+                    !fresh_only || !self.pass_alone[i] || self.passes - self.pass_measured_at[i] < STALE_AFTER
+                })
                 .filter_map(|(i, t)| t.map(|t| (i + 1, t)))
                 .collect()
         };
@@ -318,12 +330,13 @@ fn ema(old: f64, sample: f64) -> f64 {
 }
 
 /// A pass-time estimate moved by one pass (see [`PASS_WEIGHT_UP`]).
-fn pass_estimate(old: f64, seconds: f64) -> f64 {
-    if seconds < old {
-        old + PASS_WEIGHT_DOWN * (seconds - old)
-    } else {
-        old + PASS_WEIGHT_UP * (seconds.min(OUTLIER_FACTOR * old) - old)
-    }
+fn pass_estimate(old: f64, seconds: f64, one_sequence: bool) -> f64 {
+    let weight = match (one_sequence, seconds < old) {
+        (false, _) => EMA_WEIGHT,
+        (true, true) => PASS_WEIGHT_DOWN,
+        (true, false) => PASS_WEIGHT_UP,
+    };
+    old + weight * (seconds.min(OUTLIER_FACTOR * old) - old)
 }
 
 #[cfg(test)]
@@ -465,6 +478,24 @@ mod tests {
         // Measured again, it counts again.
         model.record_verify(pass(4, 12.0));
         assert!(model.pass_seconds(4) > 0.0112);
+    }
+
+    #[test]
+    fn one_sequences_passes_are_priced_undisturbed_and_batched_ones_on_average() {
+        let (alone, batched) = (CostModel::default(), CostModel::default());
+        // The same size, alternately 10 and 14 ms: noise on one sequence's passes, but
+        // different mixes of rows in batched ones.
+        for i in 0..200 {
+            let t = if i % 2 == 0 { 10.0 } else { 14.0 };
+            alone.record_verify(pass(8, t));
+            batched.record_verify(VerifyCall {
+                batch_size: 4,
+                ..pass(8, t)
+            });
+        }
+        let (alone, batched) = (alone.pass_seconds(8), batched.pass_seconds(8));
+        assert!(alone < 0.0115, "near the undisturbed 10 ms: {alone}");
+        assert!((batched - 0.012).abs() < 0.0006, "near the mean: {batched}");
     }
 
     #[test]
