@@ -46,6 +46,7 @@ const OUTLIER_FACTOR: f64 = 2.0;
 /// sessions' rows each read their own), so their times are averaged (`EMA_WEIGHT`): a low
 /// estimate there would price the dear kind of row at the cheap kind's time.
 const PASS_WEIGHT_UP: f64 = 0.1;
+const PASS_WEIGHT_DOWN: f64 = 0.5;
 /// A size last measured in a one-sequence pass and not since in this many passes drops out
 /// of the curve, which its fresher neighbours then fill in. A size a lone session has
 /// stopped running (because it looked dear) would otherwise keep its price forever: this
@@ -53,7 +54,6 @@ const PASS_WEIGHT_UP: f64 = 0.1;
 /// Batched sizes keep theirs: under load the sizes spread widely, each is measured rarely,
 /// and the curve would be rebuilt from a few noisy neighbours.
 const STALE_AFTER: u64 = 64;
-const PASS_WEIGHT_DOWN: f64 = 0.5;
 
 #[derive(Debug)]
 pub struct CostModel {
@@ -62,13 +62,10 @@ pub struct CostModel {
 
 #[derive(Debug)]
 struct Costs {
-    /// Forward-pass seconds for n tokens (index n − 1), once seen.
-    pass: Vec<Option<f64>>,
-    /// Passes recorded so far; the count when each size was last measured, and whether
-    /// that pass held one sequence.
+    /// The pass-time estimate for n tokens (index n − 1), once seen.
+    pass: Vec<Option<PassEstimate>>,
+    /// Passes recorded so far.
     passes: u64,
-    pass_measured_at: Vec<u64>,
-    pass_alone: Vec<bool>,
     /// Before any pass is measured: `prior_base + prior_per_token · (n − 1)`.
     prior_base: f64,
     prior_per_token: f64,
@@ -94,8 +91,6 @@ impl Default for CostModel {
             inner: Mutex::new(Costs {
                 pass: vec![None; PASS_TABLE],
                 passes: 0,
-                pass_measured_at: vec![0; PASS_TABLE],
-                pass_alone: vec![false; PASS_TABLE],
                 prior_base: 0.02,
                 prior_per_token: 0.0134,
                 round_trip: 0.0,
@@ -125,8 +120,8 @@ impl CostModel {
         let n = batch_tokens as usize;
         if (1..=PASS_TABLE).contains(&n) {
             let one_sequence = batch_size <= 1;
-            let estimate = match c.pass[n - 1] {
-                Some(old) => pass_estimate(old, forward_seconds, one_sequence),
+            let seconds = match c.pass[n - 1] {
+                Some(old) => pass_estimate(old.seconds, forward_seconds, one_sequence),
                 // A size's first pass, slower than its neighbours imply: it moves the
                 // neighbours' estimate as a later pass would move its own. (A faster one is
                 // taken as it is: noise does not make passes faster.) Only first passes
@@ -136,10 +131,12 @@ impl CostModel {
                     _ => forward_seconds,
                 },
             };
-            c.pass[n - 1] = Some(estimate);
             c.passes += 1;
-            c.pass_measured_at[n - 1] = c.passes;
-            c.pass_alone[n - 1] = one_sequence;
+            c.pass[n - 1] = Some(PassEstimate {
+                seconds,
+                measured_at: c.passes,
+                alone: one_sequence,
+            });
         }
         let round_trip = (call_seconds - forward_seconds - queue_seconds).max(0.0);
         c.round_trip = ema(c.round_trip, round_trip);
@@ -238,10 +235,9 @@ impl Costs {
             self.pass
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| {
-                    !fresh_only || !self.pass_alone[i] || self.passes - self.pass_measured_at[i] < STALE_AFTER
-                })
-                .filter_map(|(i, t)| t.map(|t| (i + 1, t)))
+                .filter_map(|(i, estimate)| estimate.map(|e| (i + 1, e)))
+                .filter(|(_, e)| !fresh_only || !e.alone || self.passes - e.measured_at < STALE_AFTER)
+                .map(|(size, e)| (size, e.seconds))
                 .collect()
         };
         let fresh = measured(true);
@@ -251,6 +247,15 @@ impl Costs {
             prior_per_token: self.prior_per_token,
         }
     }
+}
+
+/// One pass size's time estimate: seconds, the pass count when last measured, and whether
+/// that pass held one sequence (see [`STALE_AFTER`]).
+#[derive(Debug, Clone, Copy)]
+struct PassEstimate {
+    seconds: f64,
+    measured_at: u64,
+    alone: bool,
 }
 
 /// Pass time by tokens, from the passes measured so far.
