@@ -29,6 +29,10 @@ struct Config {
     /// Shortest suffix the prompt-lookup drafter accepts as a match.
     #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = 1)]
     ngram_min: usize,
+    /// End a prompt-lookup proposal where the matched suffix's earlier occurrences disagree
+    /// on what came next (true/false).
+    #[arg(long, env = "SPECD_NGRAM_STOP_AT_DISAGREEMENT", default_value_t = true, action = clap::ArgAction::Set)]
+    ngram_stop_at_disagreement: bool,
     /// Also serve an LM drafter, running the model given by --model (same tokenizer as the
     /// target's).
     #[arg(long, env = "SPECD_LM_DRAFTER")]
@@ -78,6 +82,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let ngram = NgramConfig {
         max_n: config.ngram_max,
         min_n: config.ngram_min.max(1),
+        stop_at_disagreement: config.ngram_stop_at_disagreement,
     };
     service.set_core(Arc::new(DrafterCore::new(ngram, lm)));
     health.set(true).await;

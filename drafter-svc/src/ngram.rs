@@ -2,16 +2,25 @@
 //! tokens (n from `max_n` down to `min_n`) and propose what followed it. Costs microseconds
 //! and wins on input-grounded text (edits, quotes, structured rewrites).
 
-/// Match lengths tried, longest first.
+/// Match lengths tried, longest first, and where a proposal stops.
 #[derive(Debug, Clone, Copy)]
 pub struct NgramConfig {
     pub max_n: usize,
     pub min_n: usize,
+    /// End a proposal before the first token (after its first) where the suffix's earlier
+    /// occurrences, followed as far as the proposal so far, disagree on what came next:
+    /// the text varies there (a value in a repeated record, a renamed variable), and drafts
+    /// past that point are rarely kept.
+    pub stop_at_disagreement: bool,
 }
 
 impl Default for NgramConfig {
     fn default() -> Self {
-        Self { max_n: 4, min_n: 1 }
+        Self {
+            max_n: 4,
+            min_n: 1,
+            stop_at_disagreement: true,
+        }
     }
 }
 
@@ -53,12 +62,13 @@ pub fn propose(context: &[u32], max_tokens: usize, config: NgramConfig) -> Ngram
             continue;
         };
         let start = latest + n;
-        let tokens: Vec<u32> = context[start..len.min(start + max_tokens)].to_vec();
+        let mut tokens: Vec<u32> = context[start..len.min(start + max_tokens)].to_vec();
+        let earlier: Vec<usize> = occurrences.collect();
         let first = tokens[0];
-        let (mut seen, mut agreeing) = (1usize, 1usize);
-        for i in occurrences {
-            seen += 1;
-            agreeing += usize::from(context[i + n] == first);
+        let seen = 1 + earlier.len();
+        let agreeing = 1 + earlier.iter().filter(|&&i| context[i + n] == first).count();
+        if config.stop_at_disagreement {
+            tokens.truncate(agreed_length(context, &earlier, n, &tokens));
         }
         return NgramProposal {
             tokens,
@@ -67,6 +77,22 @@ pub fn propose(context: &[u32], max_tokens: usize, config: NgramConfig) -> Ngram
         };
     }
     NgramProposal::none()
+}
+
+/// How many of `tokens` (the continuation of the latest occurrence of the context's last n
+/// tokens) to propose: all, or up to the first one after the first where the `earlier`
+/// occurrences that agreed with the proposal so far do not all agree with it. (Earlier
+/// occurrences start before the latest, so each has a token wherever it does.)
+fn agreed_length(context: &[u32], earlier: &[usize], n: usize, tokens: &[u32]) -> usize {
+    let mut agreeing: Vec<usize> = earlier.iter().map(|&i| i + n).collect();
+    for (j, &token) in tokens.iter().enumerate() {
+        let before = agreeing.len();
+        agreeing.retain(|&start| context[start + j] == token);
+        if j > 0 && agreeing.len() < before {
+            return j;
+        }
+    }
+    tokens.len()
 }
 
 #[cfg(test)]
@@ -87,7 +113,15 @@ mod tests {
     #[test]
     fn falls_back_to_shorter_matches_and_stops_at_the_context_end() {
         let context = [5, 6, 7, 1, 9, 9, 1];
-        let p = propose(&context, 8, NgramConfig { max_n: 3, min_n: 1 });
+        let p = propose(
+            &context,
+            8,
+            NgramConfig {
+                max_n: 3,
+                min_n: 1,
+                ..NgramConfig::default()
+            },
+        );
         assert_eq!(p.match_length, 1);
         assert_eq!(p.tokens, vec![9, 9, 1]);
     }
@@ -102,15 +136,52 @@ mod tests {
     }
 
     #[test]
+    fn a_proposal_ends_where_earlier_occurrences_disagree() {
+        // "5 6" was followed by "3 4" and then by "3 0 2": the latest continuation is
+        // proposed up to where the two part.
+        let context = [5, 6, 3, 4, 1, 5, 6, 3, 0, 2, 5, 6];
+        let stop = NgramConfig::default();
+        let keep_going = NgramConfig {
+            stop_at_disagreement: false,
+            ..stop
+        };
+        assert_eq!(propose(&context, 4, keep_going).tokens, vec![3, 0, 2, 5]);
+        assert_eq!(propose(&context, 4, stop).tokens, vec![3]);
+        // A first token they disagree on is proposed all the same, with what follows it
+        // (the caller's acceptance record for short matches prices it).
+        let context = [5, 6, 7, 8, 9, 1, 5, 6, 3, 8, 9, 2, 5, 6];
+        assert_eq!(propose(&context, 3, stop).tokens, vec![3, 8, 9]);
+        // One occurrence: nothing to disagree with.
+        assert_eq!(propose(&[1, 2, 3, 4, 1, 2], 4, stop).tokens, vec![3, 4, 1, 2]);
+    }
+
+    #[test]
     fn respects_min_n() {
         let context = [4, 1, 2, 8, 2];
         assert!(
-            propose(&context, 3, NgramConfig { max_n: 3, min_n: 2 })
-                .tokens
-                .is_empty()
+            propose(
+                &context,
+                3,
+                NgramConfig {
+                    max_n: 3,
+                    min_n: 2,
+                    ..NgramConfig::default()
+                }
+            )
+            .tokens
+            .is_empty()
         );
         assert_eq!(
-            propose(&context, 3, NgramConfig { max_n: 3, min_n: 1 }).tokens,
+            propose(
+                &context,
+                3,
+                NgramConfig {
+                    max_n: 3,
+                    min_n: 1,
+                    ..NgramConfig::default()
+                }
+            )
+            .tokens,
             vec![8, 2]
         );
     }
