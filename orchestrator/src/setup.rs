@@ -9,7 +9,7 @@ use specd_drafter::{DrafterCore, LmDrafter, NgramConfig};
 use specd_model::{LoadedModel, TextModel};
 use specd_verifier::VerifierCore;
 
-use crate::backend::{DrafterBackend, GrpcDrafter, VerifierBackend, check_identity};
+use crate::backend::{DrafterBackend, GrpcDrafter, NgramInProcess, VerifierBackend, check_identity};
 use crate::breaker::BreakerConfig;
 use crate::generate::Generator;
 use crate::pool::{PoolConfig, VerifierPool};
@@ -63,6 +63,8 @@ pub struct RemoteSettings {
     pub drafter_breaker: BreakerConfig,
     /// How long to wait at start-up for a verifier replica to be ready.
     pub ready_timeout: Duration,
+    /// Answer prompt-lookup drafts in this process (see [`NgramInProcess`]).
+    pub ngram_in_process: bool,
 }
 
 /// Remote services: a verifier pool and optionally a drafter. Waits up to `ready_timeout`
@@ -95,6 +97,11 @@ pub async fn remote(
             }
             Some(Arc::new(drafter))
         }
+    };
+    let drafter: Option<Arc<dyn DrafterBackend>> = if remote.ngram_in_process {
+        Some(Arc::new(NgramInProcess::new(settings.ngram, drafter)))
+    } else {
+        drafter
     };
     let mut generator = Generator::new(pool.clone(), drafter, text, settings);
     generator.pool = Some(pool);

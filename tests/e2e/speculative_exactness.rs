@@ -3,7 +3,7 @@
 //! decoding, for every prompt, K in {1, 4, 8} and both drafters. Also: streaming delivers the
 //! same text as the unary call, and sessions continue.
 
-use specd_e2e::{Stack, binaries};
+use specd_e2e::{Stack, StackOptions, binaries};
 use specd_proto::v1 as pb;
 
 const PROMPTS: [&str; 5] = [
@@ -73,6 +73,53 @@ async fn greedy_speculation_is_token_identical_to_plain_decoding() {
         }
     }
     assert_eq!(checked, PROMPTS.len() * 6);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn lookups_answered_in_the_orchestrator_are_exact_and_need_no_drafter_service() {
+    let mut stack = Stack::start_with(
+        binaries!(),
+        StackOptions {
+            orchestrator_args: &["--ngram-in-process"],
+            lm_drafter: false,
+            ..StackOptions::default()
+        },
+    )
+    .await;
+    // With the drafter service gone, prompt lookup still runs: the orchestrator answers it.
+    stack.drafter.signal("KILL");
+    let _ = stack.drafter.child.wait();
+    let mut client = stack.client().await;
+    let mut proposed = 0;
+    for prompt in PROMPTS {
+        let plain = client
+            .generate(request(
+                prompt,
+                pb::SpeculationOptions {
+                    disable: true,
+                    ..Default::default()
+                },
+            ))
+            .await
+            .expect("plain generation")
+            .into_inner();
+        let spec = client
+            .generate(request(
+                prompt,
+                pb::SpeculationOptions {
+                    max_k: 4,
+                    drafter: pb::DrafterKind::Ngram as i32,
+                    fixed_k: true,
+                    disable: false,
+                },
+            ))
+            .await
+            .expect("speculative generation")
+            .into_inner();
+        assert_eq!(spec.token_ids, plain.token_ids, "prompt {prompt:?}");
+        proposed += spec.stats.unwrap().proposed;
+    }
+    assert!(proposed > 0, "no lookup proposed anything");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -81,9 +81,15 @@ struct Config {
     /// the drafter and verifiers use mutual TLS with this certificate and CA.
     #[command(flatten)]
     tls: TlsArgs,
-    /// Drafter endpoint, e.g. http://127.0.0.1:50051; without one, decoding is plain.
+    /// Drafter endpoint, e.g. http://127.0.0.1:50051; without one (and without
+    /// --ngram-in-process), decoding is plain.
     #[arg(long, env = "SPECD_DRAFTER")]
     drafter: Option<String>,
+    /// Answer prompt-lookup (n-gram) drafts in this process instead of calling the drafter
+    /// service, saving a network round trip on every step that drafts; LM drafts still go to
+    /// --drafter.
+    #[arg(long, env = "SPECD_NGRAM_IN_PROCESS")]
+    ngram_in_process: bool,
     /// GGUF whose tokenizer and chat template the orchestrator uses (weights are not
     /// loaded); default: the default model, fetched once into $SPECD_MODEL_DIR (or
     /// ~/.cache/specd/models).
@@ -184,6 +190,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
             drafter_url: config.drafter.clone(),
             drafter_breaker: breaker,
             ready_timeout: Duration::from_secs(config.ready_timeout_s),
+            ngram_in_process: config.ngram_in_process,
         },
         settings,
     )

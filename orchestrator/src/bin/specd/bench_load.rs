@@ -67,6 +67,10 @@ pub struct LoadBenchArgs {
     /// on this machine, to read speculation's ratio against.
     #[arg(long)]
     control: bool,
+    /// The orchestrator answers prompt-lookup drafts itself (its --ngram-in-process) rather
+    /// than calling the drafter process: measures what the drafter's round trip costs.
+    #[arg(long)]
+    ngram_in_process: bool,
     /// Runs of each (concurrency, mode), the modes alternating (reversed on odd
     /// repetitions), pooled into one row each: the machine's speed drifts less between
     /// neighbouring runs than across a whole table.
@@ -267,7 +271,7 @@ impl Stack {
             wait_serving(url).await?;
         }
         let orchestrator_port = free_port()?;
-        let orchestrator_args = vec![
+        let mut orchestrator_args = vec![
             "--model".to_string(),
             model.to_string(),
             "--verifier".into(),
@@ -280,6 +284,9 @@ impl Stack {
             "--call-deadline-ms".into(),
             args.call_deadline_ms.to_string(),
         ];
+        if args.ngram_in_process {
+            orchestrator_args.push("--ngram-in-process".into());
+        }
         procs.push(spawn(
             bin_dir,
             "orchestrator",
