@@ -1,10 +1,13 @@
 //! Greedy speculative decoding through the full stack — drafter, verifier and orchestrator as
 //! three real processes on loopback, real SmolLM2 — produces exactly the tokens of plain
-//! decoding, for every prompt, K in {1, 4, 8} and both drafters. Also: streaming delivers the
-//! same text as the unary call, and sessions continue.
+//! decoding, for every prompt, K in {1, 4, 8} and both drafters, and with prompt lookup
+//! answered by the orchestrator (`--ngram-in-process`) while the drafter process is down.
+//! Also: streaming delivers the same text as the unary call, and sessions continue.
 
 use specd_e2e::{Stack, StackOptions, binaries};
+use specd_proto::OrchestratorClient;
 use specd_proto::v1 as pb;
+use tonic::transport::Channel;
 
 const PROMPTS: [&str; 5] = [
     "<|im_start|>user\nRewrite with clearer names:\ndef f(a, b):\n    c = a + b\n    return c * 2<|im_end|>\n<|im_start|>assistant\n",
@@ -24,23 +27,25 @@ fn request(prompt: &str, speculation: pb::SpeculationOptions) -> pb::GenerateReq
     }
 }
 
+async fn generate_plainly(client: &mut OrchestratorClient<Channel>, prompt: &str) -> pb::GenerateResponse {
+    let plain = pb::SpeculationOptions {
+        disable: true,
+        ..Default::default()
+    };
+    client
+        .generate(request(prompt, plain))
+        .await
+        .expect("plain generation")
+        .into_inner()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn greedy_speculation_is_token_identical_to_plain_decoding() {
     let stack = Stack::start(binaries!(), &[]).await;
     let mut client = stack.client().await;
     let mut checked = 0;
     for prompt in PROMPTS {
-        let plain = client
-            .generate(request(
-                prompt,
-                pb::SpeculationOptions {
-                    disable: true,
-                    ..Default::default()
-                },
-            ))
-            .await
-            .expect("plain generation")
-            .into_inner();
+        let plain = generate_plainly(&mut client, prompt).await;
         assert!(!plain.token_ids.is_empty());
         assert_eq!(plain.stats.unwrap().proposed, 0);
         for drafter in [pb::DrafterKind::Ngram, pb::DrafterKind::Lm] {
@@ -92,17 +97,7 @@ async fn lookups_answered_in_the_orchestrator_are_exact_and_need_no_drafter_serv
     let mut client = stack.client().await;
     let mut proposed = 0;
     for prompt in PROMPTS {
-        let plain = client
-            .generate(request(
-                prompt,
-                pb::SpeculationOptions {
-                    disable: true,
-                    ..Default::default()
-                },
-            ))
-            .await
-            .expect("plain generation")
-            .into_inner();
+        let plain = generate_plainly(&mut client, prompt).await;
         let spec = client
             .generate(request(
                 prompt,
