@@ -63,32 +63,37 @@ pub fn propose(context: &[u32], max_tokens: usize, config: NgramConfig) -> Ngram
         };
         let start = latest + n;
         let mut tokens: Vec<u32> = context[start..len.min(start + max_tokens)].to_vec();
-        let earlier: Vec<usize> = occurrences.collect();
-        let first = tokens[0];
-        let seen = 1 + earlier.len();
-        let agreeing = 1 + earlier.iter().filter(|&&i| context[i + n] == first).count();
+        // Where the earlier occurrences' continuations start, and those that begin with the
+        // proposal's first token.
+        let earlier: Vec<usize> = occurrences.map(|i| i + n).collect();
+        let agreeing: Vec<usize> = earlier
+            .iter()
+            .copied()
+            .filter(|&s| context[s] == tokens[0])
+            .collect();
+        let confidence = (agreeing.len() as f32 + 2.0) / (earlier.len() as f32 + 3.0);
         if config.stop_at_disagreement {
-            tokens.truncate(agreed_length(context, &earlier, n, &tokens));
+            tokens.truncate(agreed_length(context, agreeing, &tokens));
         }
         return NgramProposal {
             tokens,
             match_length: n,
-            confidence: (agreeing as f32 + 1.0) / (seen as f32 + 2.0),
+            confidence,
         };
     }
     NgramProposal::none()
 }
 
 /// How many of `tokens` (the continuation of the latest occurrence of the context's last n
-/// tokens) to propose: all, or up to the first one after the first where the `earlier`
-/// occurrences that agreed with the proposal so far do not all agree with it. (Earlier
-/// occurrences start before the latest, so each has a token wherever it does.)
-fn agreed_length(context: &[u32], earlier: &[usize], n: usize, tokens: &[u32]) -> usize {
-    let mut agreeing: Vec<usize> = earlier.iter().map(|&i| i + n).collect();
-    for (j, &token) in tokens.iter().enumerate() {
+/// tokens) to propose: all, or up to the first one where the earlier continuations that
+/// agreed with the proposal so far (`agreeing`, those agreeing on its first token) do not
+/// all agree with it. (Earlier occurrences start before the latest, so each has a token
+/// wherever it does.)
+fn agreed_length(context: &[u32], mut agreeing: Vec<usize>, tokens: &[u32]) -> usize {
+    for (j, &token) in tokens.iter().enumerate().skip(1) {
         let before = agreeing.len();
         agreeing.retain(|&start| context[start + j] == token);
-        if j > 0 && agreeing.len() < before {
+        if agreeing.len() < before {
             return j;
         }
     }
