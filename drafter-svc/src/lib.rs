@@ -13,5 +13,5 @@ pub mod service;
 pub use core::{DrafterCore, MAX_PROPOSAL_TOKENS};
 pub use error::DrafterError;
 pub use lm::LmDrafter;
-pub use ngram::NgramConfig;
+pub use ngram::{NgramArgs, NgramConfig};
 pub use service::DrafterService;

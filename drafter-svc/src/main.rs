@@ -10,7 +10,7 @@ use specd_common::model_args::ModelArgs;
 use specd_common::serve::{GrpcServer, ServeArgs};
 use specd_common::telemetry::TelemetryArgs;
 use specd_common::tls::TlsArgs;
-use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramConfig};
+use specd_drafter::{DrafterCore, DrafterService, LmDrafter, NgramArgs};
 use specd_proto::DrafterServer;
 
 #[derive(Debug, Parser)]
@@ -23,16 +23,8 @@ struct Config {
     /// Address to listen on.
     #[arg(long, env = "SPECD_LISTEN", default_value = "0.0.0.0:50051")]
     listen: SocketAddr,
-    /// Longest suffix the prompt-lookup drafter tries to match.
-    #[arg(long, env = "SPECD_NGRAM_MAX", default_value_t = 4)]
-    ngram_max: usize,
-    /// Shortest suffix the prompt-lookup drafter accepts as a match.
-    #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = 1)]
-    ngram_min: usize,
-    /// End a prompt-lookup proposal where the matched suffix's earlier occurrences disagree
-    /// on what came next (true/false).
-    #[arg(long, env = "SPECD_NGRAM_STOP_AT_DISAGREEMENT", default_value_t = true, action = clap::ArgAction::Set)]
-    ngram_stop_at_disagreement: bool,
+    #[command(flatten)]
+    ngram: NgramArgs,
     /// Also serve an LM drafter, running the model given by --model (same tokenizer as the
     /// target's).
     #[arg(long, env = "SPECD_LM_DRAFTER")]
@@ -79,12 +71,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
     } else {
         None
     };
-    let ngram = NgramConfig {
-        max_n: config.ngram_max,
-        min_n: config.ngram_min.max(1),
-        stop_at_disagreement: config.ngram_stop_at_disagreement,
-    };
-    service.set_core(Arc::new(DrafterCore::new(ngram, lm)));
+    service.set_core(Arc::new(DrafterCore::new(config.ngram.config(), lm)));
     health.set(true).await;
     tracing::info!("drafter serving");
     server.await??;

@@ -24,6 +24,32 @@ impl Default for NgramConfig {
     }
 }
 
+/// Prompt-lookup flags, shared by the drafter service and the orchestrator (which can
+/// answer prompt-lookup drafts itself with --ngram-in-process).
+#[derive(Debug, Clone, clap::Args)]
+pub struct NgramArgs {
+    /// Longest suffix the prompt-lookup drafter tries to match.
+    #[arg(long, env = "SPECD_NGRAM_MAX", default_value_t = 4)]
+    pub ngram_max: usize,
+    /// Shortest suffix the prompt-lookup drafter accepts as a match (at least 1).
+    #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = 1)]
+    pub ngram_min: usize,
+    /// End a prompt-lookup proposal where the matched suffix's earlier occurrences disagree
+    /// on what came next (true/false).
+    #[arg(long, env = "SPECD_NGRAM_STOP_AT_DISAGREEMENT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub ngram_stop_at_disagreement: bool,
+}
+
+impl NgramArgs {
+    pub fn config(&self) -> NgramConfig {
+        NgramConfig {
+            max_n: self.ngram_max,
+            min_n: self.ngram_min.max(1),
+            stop_at_disagreement: self.ngram_stop_at_disagreement,
+        }
+    }
+}
+
 /// A prompt-lookup proposal.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NgramProposal {
@@ -189,5 +215,34 @@ mod tests {
             .tokens,
             vec![8, 2]
         );
+    }
+
+    #[test]
+    fn flags_default_to_the_default_config_and_clamp_min_n() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            ngram: NgramArgs,
+        }
+        let defaults = Cli::try_parse_from(["specd"]).expect("no flags").ngram.config();
+        let expected = NgramConfig::default();
+        assert_eq!(
+            (defaults.max_n, defaults.min_n, defaults.stop_at_disagreement),
+            (expected.max_n, expected.min_n, expected.stop_at_disagreement)
+        );
+        let set = Cli::try_parse_from([
+            "specd",
+            "--ngram-max",
+            "6",
+            "--ngram-min",
+            "0",
+            "--ngram-stop-at-disagreement",
+            "false",
+        ])
+        .expect("valid flags")
+        .ngram
+        .config();
+        assert_eq!((set.max_n, set.min_n, set.stop_at_disagreement), (6, 1, false));
     }
 }

@@ -90,6 +90,9 @@ struct Config {
     /// --drafter.
     #[arg(long, env = "SPECD_NGRAM_IN_PROCESS")]
     ngram_in_process: bool,
+    /// Prompt lookup's settings when --ngram-in-process answers it here.
+    #[command(flatten)]
+    ngram: specd_drafter::NgramArgs,
     /// GGUF whose tokenizer and chat template the orchestrator uses (weights are not
     /// loaded); default: the default model, fetched once into $SPECD_MODEL_DIR (or
     /// ~/.cache/specd/models).
@@ -156,7 +159,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         session_ttl: Duration::from_secs(config.session_ttl_s),
         max_sessions: config.max_sessions,
         max_concurrent_requests: config.max_concurrent_requests,
-        ..GeneratorSettings::default()
+        ngram: config.ngram.config(),
     };
     let mut urls = config.verifier.clone();
     if urls.is_empty() && config.verifier_dns.is_empty() {

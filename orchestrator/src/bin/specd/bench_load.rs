@@ -1,15 +1,16 @@
 //! `specd bench load`: throughput and latency under concurrent sessions, through the real
-//! services. For each verifier count it starts that many `verifier-svc` processes, one
-//! `drafter-svc` and an `orchestrator` on loopback, then keeps C streaming sessions in flight
-//! (closed loop) until every prompt of the `specd bench spec` workloads has run at least
-//! once and each slot has run `--rounds` sessions (max(C × rounds, prompts)), plainly and
-//! speculatively. Reports aggregate tok/s, each session's decode rate (after its first
+//! services. For each verifier count and mode (plain, speculative, ...) it starts a stack of
+//! its own, that many `verifier-svc` processes, one `drafter-svc` and an `orchestrator` on
+//! loopback, so no mode reuses prefill another left in the verifiers' prefix caches; then,
+//! mode by mode, it keeps C streaming sessions in flight (closed loop) until every prompt of
+//! the `specd bench spec` workloads has run at least once and each slot has run `--rounds`
+//! sessions (max(C × rounds, prompts)). Reports aggregate tok/s, each session's decode rate (after its first
 //! token), time to first token and inter-token latency (p50/p99) per (verifiers,
 //! concurrency, mode), and the decode speed-up per workload, as tables ([`report`]) and a
 //! JSON file; with `--repetitions N` the modes run N times, alternating (in reverse order on
 //! odd repetitions), pooled per row; with `--control`, plain decoding runs a second time
 //! among them, so each cell shows its own run-to-run noise. With `--unbatched-baseline`, a
-//! second single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
+//! further single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
 //! forward pass), plainly, its runs alternating with the batched verifier's, so batching's
 //! gain is measured directly.
 
@@ -83,13 +84,11 @@ pub struct LoadBenchArgs {
     rounds: u32,
     /// Start every session's prompt with a line of its own ("Request 17."), so sessions share
     /// only the chat template's system prompt: the verifiers' prefix sharing then cannot skip
-    /// a repeated prompt's prefill, as it does when the workloads' prompts recur.
+    /// a repeated prompt's prefill, as it does when the workloads' prompts recur. The modes
+    /// of one (concurrency, repetition) run the same serials, so they compare the same texts.
     #[arg(long)]
     unique_prompts: bool,
 }
-
-/// Sessions started by this process, numbering `--unique-prompts`' lines.
-static SESSIONS_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// A child process killed when dropped.
 struct Proc(Child);
@@ -334,19 +333,27 @@ struct Load<'a> {
     rounds: usize,
     max_tokens: u32,
     speculate: bool,
-    unique_prompts: bool,
+    /// With `--unique-prompts`: the serial of this run's first session; session i's prompt
+    /// starts with "Request {base + i}.".
+    unique_serial_base: Option<usize>,
 }
 
 impl Load<'_> {
+    /// Sessions this run starts.
+    fn sessions(&self) -> usize {
+        (self.concurrency * self.rounds).max(self.prompts.len())
+    }
+
     async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
         let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
         let started = Instant::now();
-        let sessions = (self.concurrency * self.rounds).max(self.prompts.len());
+        let sessions = self.sessions();
         let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let workers: Vec<_> = (0..self.concurrency)
             .map(|_| {
                 let (next, url, prompts) = (next.clone(), self.url.to_string(), self.prompts.to_vec());
-                let (max_tokens, speculate, unique) = (self.max_tokens, self.speculate, self.unique_prompts);
+                let (max_tokens, speculate, serial_base) =
+                    (self.max_tokens, self.speculate, self.unique_serial_base);
                 tokio::spawn(async move {
                     let mut done = Vec::new();
                     loop {
@@ -355,11 +362,9 @@ impl Load<'_> {
                             return done;
                         }
                         let prompt = &prompts[i % prompts.len()];
-                        let text = if unique {
-                            let serial = SESSIONS_STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            format!("Request {serial}.\n{}", prompt.text)
-                        } else {
-                            prompt.text.clone()
+                        let text = match serial_base {
+                            Some(base) => format!("Request {}.\n{}", base + i, prompt.text),
+                            None => prompt.text.clone(),
                         };
                         let result = session(url.clone(), text, max_tokens, speculate).await;
                         done.push((prompt.workload.clone(), result));
@@ -535,28 +540,41 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         "--unbatched-baseline is measured beside one batched verifier: include 1 in --verifiers"
     );
     let mut rows = Vec::new();
+    // Runs of one (concurrency, repetition) share their `--unique-prompts` serials across the
+    // modes, so every mode runs the same texts.
+    let mut serial_base = 0;
     for &verifier_count in &args.verifiers {
-        let batched = Stack::start(&bin_dir, &model, verifier_count, true, &args, &prompts).await?;
+        let mut modes: Vec<(&'static str, bool, bool)> =
+            vec![("plain", false, true), ("speculative", true, true)];
+        if args.control {
+            modes.push(("plain-again", false, true));
+        }
         // The baseline runs beside the batched verifier, its runs alternating with the
         // others', so the machine's drift weighs on both alike.
-        let unbatched = if args.unbatched_baseline && verifier_count == 1 {
-            Some(Stack::start(&bin_dir, &model, 1, false, &args, &prompts).await?)
-        } else {
-            None
-        };
-        let mut modes: Vec<(&'static str, bool, &Stack)> =
-            vec![("plain", false, &batched), ("speculative", true, &batched)];
-        if args.control {
-            modes.push(("plain-again", false, &batched));
+        if args.unbatched_baseline && verifier_count == 1 {
+            modes.push(("plain-unbatched", false, false));
         }
-        if let Some(stack) = &unbatched {
-            modes.push(("plain-unbatched", false, stack));
+        // Each mode has a stack of its own, so no mode reuses the prefill another left in a
+        // verifier's prefix cache while they run the same texts.
+        let mut stacks = Vec::new();
+        for &(_, _, batched) in &modes {
+            stacks.push(Stack::start(&bin_dir, &model, verifier_count, batched, &args, &prompts).await?);
         }
         for &concurrency in &args.concurrency {
             let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
             for repetition in 0..args.repetitions.max(1) {
+                let load = Load {
+                    url: "",
+                    prompts: &prompts,
+                    concurrency,
+                    rounds: args.rounds as usize,
+                    max_tokens: args.max_tokens,
+                    speculate: false,
+                    unique_serial_base: args.unique_prompts.then_some(serial_base),
+                };
+                serial_base += load.sessions();
                 for i in mode_order(modes.len(), repetition) {
-                    let ((mode, speculate, stack), tally) = (modes[i], &mut tallies[i]);
+                    let ((mode, speculate, _), stack) = (modes[i], &stacks[i]);
                     eprintln!(
                         "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",
                         repetition + 1,
@@ -564,14 +582,10 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
                     );
                     let load = Load {
                         url: &stack.url,
-                        prompts: &prompts,
-                        concurrency,
-                        rounds: args.rounds as usize,
-                        max_tokens: args.max_tokens,
                         speculate,
-                        unique_prompts: args.unique_prompts,
+                        ..load
                     };
-                    tally.add(load.run(stack.pids).await?);
+                    tallies[i].add(load.run(stack.pids).await?);
                 }
             }
             for (&(mode, _, _), tally) in modes.iter().zip(tallies) {

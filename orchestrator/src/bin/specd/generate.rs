@@ -51,6 +51,9 @@ pub struct GenerateArgs {
     /// Drafter: ngram (prompt lookup) or lm (a language model drafter).
     #[arg(long, default_value = "ngram", value_parser = ["ngram", "lm"])]
     drafter: String,
+    /// Prompt lookup's settings when running all-in-one.
+    #[command(flatten)]
+    ngram: specd_drafter::NgramArgs,
     /// Continue this session (its id is printed in the summary and the JSON).
     #[arg(long)]
     session: Option<String>,
@@ -136,7 +139,11 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let loaded = tokio::task::spawn_blocking(move || model.load())
                 .await?
                 .context("cannot load the model")?;
-            let generator = in_process(loaded, GeneratorSettings::default());
+            let settings = GeneratorSettings {
+                ngram: args.ngram.config(),
+                ..GeneratorSettings::default()
+            };
+            let generator = in_process(loaded, settings);
             let result = generator.generate(&request, Some(&chunks_tx)).await;
             drop(chunks_tx);
             result.map_err(|e| anyhow::anyhow!(tonic::Status::from(e).message().to_string()))?

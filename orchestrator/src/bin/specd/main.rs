@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Generate text (speculative by default).
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -65,7 +65,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => {
             args.model.apply_threads();
             specd_common::telemetry::init_logging();
-            runtime()?.block_on(generate::run(args))
+            runtime()?.block_on(generate::run(*args))
         }
         Command::Bench(BenchCommand::Engine(args)) => {
             args.model.apply_threads();
