@@ -38,6 +38,11 @@ pub struct ModelArgs {
     /// turnaround. 0: never wait.
     #[arg(long, env = "SPECD_RETURN_WAIT_SHARE", default_value_t = specd_model::engine::DEFAULT_RETURN_WAIT_SHARE)]
     pub return_wait_share: f64,
+    /// Let a session start from another session's cached prefix (a shared system prompt or
+    /// document) rather than computing it (true/false). False isolates sessions: each pays
+    /// its own prefill, and no one's time to first token reveals what others sent.
+    #[arg(long, env = "SPECD_SHARE_PREFIXES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub share_prefixes: bool,
 }
 
 impl ModelArgs {
@@ -63,6 +68,7 @@ impl ModelArgs {
             prefill_chunk: self.prefill_chunk,
             batch_wait: std::time::Duration::from_micros(self.batch_wait_us),
             return_wait_share: self.return_wait_share,
+            share_prefixes: self.share_prefixes,
         }
     }
 

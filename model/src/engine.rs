@@ -155,6 +155,7 @@ impl Engine {
             deferred: VecDeque::new(),
             returns: Returns::new(options.return_wait_share),
             last_pass_end: None,
+            share_prefixes: options.share_prefixes,
         };
         std::thread::Builder::new()
             .name("specd-engine".into())
@@ -253,6 +254,8 @@ struct Worker {
     returns: Returns,
     /// When the previous pass ended: the time since is the engine's idle gap (logged).
     last_pass_end: Option<Instant>,
+    /// See [`EngineOptions::share_prefixes`].
+    share_prefixes: bool,
 }
 
 /// What the pass being formed has taken: tokens in all, and prompt tokens it may still take.
@@ -466,10 +469,13 @@ impl Worker {
         let mut keep = cache.common_prefix_len(&request.context).min(request.logits_from);
         // Another sequence's cache may hold more of this context (a shared system prompt or
         // document); its positions are exactly what this sequence would compute.
-        if let Some((copy, shared)) =
+        let copy = if self.share_prefixes {
             self.cache
                 .shared_prefix_copy(&request.context, request.logits_from, keep)?
-        {
+        } else {
+            None
+        };
+        if let Some((copy, shared)) = copy {
             cache = copy;
             keep = shared;
         }

@@ -180,3 +180,24 @@ fn a_sequence_starts_from_another_sequences_cached_prefix_with_the_same_logits()
         assert_eq!((again.computed, again.reused), (1, 120));
     }
 }
+
+#[test]
+fn without_prefix_sharing_a_sequence_reuses_only_its_own_cache() {
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        share_prefixes: false,
+        ..EngineOptions::default()
+    });
+    let context: Vec<u32> = (0..100).map(|i| 3 + (i * 7 % 250)).collect();
+    let first = loaded.engine.score_blocking(request("a", &context)).unwrap();
+    let other = loaded.engine.score_blocking(request("b", &context)).unwrap();
+    assert_eq!((other.computed, other.reused), (100, 0), "nothing copied from a");
+    assert_eq!(other.logits, first.logits);
+    let mut next = context.clone();
+    next.push(9);
+    let own = loaded.engine.score_blocking(request("a", &next)).unwrap();
+    assert_eq!(
+        (own.computed, own.reused),
+        (1, 100),
+        "a's own cache still serves a"
+    );
+}

@@ -29,6 +29,10 @@ pub struct EngineOptions {
     /// back), as a share of that pass's time; also bounded by their measured turnaround
     /// (0: never wait). See `engine/returns.rs`.
     pub return_wait_share: f64,
+    /// Let a sequence start from a copy of the prefix another sequence's cache shares with it
+    /// (a system prompt, a repeated document). Off, every sequence computes its own prompt:
+    /// no session's time to first token depends on what other sessions sent.
+    pub share_prefixes: bool,
 }
 
 impl Default for EngineOptions {
@@ -41,6 +45,7 @@ impl Default for EngineOptions {
             prefill_chunk: 64,
             batch_wait: std::time::Duration::ZERO,
             return_wait_share: DEFAULT_RETURN_WAIT_SHARE,
+            share_prefixes: true,
         }
     }
 }

@@ -86,8 +86,14 @@ pub struct LoadBenchArgs {
     /// only the chat template's system prompt: the verifiers' prefix sharing then cannot skip
     /// a repeated prompt's prefill, as it does when the workloads' prompts recur. The modes
     /// of one (concurrency, repetition) run the same serials, so they compare the same texts.
+    /// The line changes what a small model writes (SmolLM2-135M copies far less code after
+    /// it); --no-prefix-sharing costs every session its prefill without changing the texts.
     #[arg(long)]
     unique_prompts: bool,
+    /// Run the verifiers with --share-prefixes false: every session computes its whole
+    /// prompt, as when each user's prompt is new, while the workloads' texts stay as written.
+    #[arg(long)]
+    no_prefix_sharing: bool,
 }
 
 /// A child process killed when dropped.
@@ -247,6 +253,9 @@ impl Stack {
             let mut verifier_args = vec!["--model".to_string(), model.to_string()];
             if !batched {
                 verifier_args.extend(["--max-batch-tokens".to_string(), "1".to_string()]);
+            }
+            if args.no_prefix_sharing {
+                verifier_args.extend(["--share-prefixes".to_string(), "false".to_string()]);
             }
             procs.push(spawn(
                 bin_dir,
