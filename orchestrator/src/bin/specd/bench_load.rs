@@ -1,16 +1,15 @@
 //! `specd bench load`: throughput and latency under concurrent sessions, through the real
-//! services. For each verifier count and mode (plain, speculative, ...) it starts a stack of
-//! its own, that many `verifier-svc` processes, one `drafter-svc` and an `orchestrator` on
-//! loopback, so no mode reuses prefill another left in the verifiers' prefix caches; then,
-//! mode by mode, it keeps C streaming sessions in flight (closed loop) until every prompt of
-//! the `specd bench spec` workloads has run at least once and each slot has run `--rounds`
-//! sessions (max(C × rounds, prompts)). Reports aggregate tok/s, each session's decode rate (after its first
-//! token), time to first token and inter-token latency (p50/p99) per (verifiers,
+//! services. For each verifier count it starts that many `verifier-svc` processes, one
+//! `drafter-svc` and an `orchestrator` on loopback, then, mode by mode (plain, speculative),
+//! keeps C streaming sessions in flight (closed loop) until every prompt of the `specd bench
+//! spec` workloads has run at least once and each slot has run `--rounds` sessions
+//! (max(C × rounds, prompts)). Reports aggregate tok/s, each session's decode rate (after its
+//! first token), time to first token and inter-token latency (p50/p99) per (verifiers,
 //! concurrency, mode), and the decode speed-up per workload, as tables ([`report`]) and a
 //! JSON file; with `--repetitions N` the modes run N times, alternating (in reverse order on
 //! odd repetitions), pooled per row; with `--control`, plain decoding runs a second time
 //! among them, so each cell shows its own run-to-run noise. With `--unbatched-baseline`, a
-//! further single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
+//! second single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
 //! forward pass), plainly, its runs alternating with the batched verifier's, so batching's
 //! gain is measured directly.
 
@@ -82,16 +81,9 @@ pub struct LoadBenchArgs {
     /// (few sessions left).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
-    /// Start every session's prompt with a line of its own ("Request 17."), so sessions share
-    /// only the chat template's system prompt: the verifiers' prefix sharing then cannot skip
-    /// a repeated prompt's prefill, as it does when the workloads' prompts recur. The modes
-    /// of one (concurrency, repetition) run the same serials, so they compare the same texts.
-    /// The line changes what a small model writes (SmolLM2-135M copies far less code after
-    /// it); --no-prefix-sharing costs every session its prefill without changing the texts.
-    #[arg(long)]
-    unique_prompts: bool,
     /// Run the verifiers with --share-prefixes false: every session computes its whole
-    /// prompt, as when each user's prompt is new, while the workloads' texts stay as written.
+    /// prompt, as when each user's prompt is new, and no mode reuses another's prefill.
+    /// Without it the workloads' prompts recur and mostly come from the verifiers' caches.
     #[arg(long)]
     no_prefix_sharing: bool,
 }
@@ -342,27 +334,18 @@ struct Load<'a> {
     rounds: usize,
     max_tokens: u32,
     speculate: bool,
-    /// With `--unique-prompts`: the serial of this run's first session; session i's prompt
-    /// starts with "Request {base + i}.".
-    unique_serial_base: Option<usize>,
 }
 
 impl Load<'_> {
-    /// Sessions this run starts.
-    fn sessions(&self) -> usize {
-        (self.concurrency * self.rounds).max(self.prompts.len())
-    }
-
     async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
         let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
         let started = Instant::now();
-        let sessions = self.sessions();
+        let sessions = (self.concurrency * self.rounds).max(self.prompts.len());
         let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let workers: Vec<_> = (0..self.concurrency)
             .map(|_| {
                 let (next, url, prompts) = (next.clone(), self.url.to_string(), self.prompts.to_vec());
-                let (max_tokens, speculate, serial_base) =
-                    (self.max_tokens, self.speculate, self.unique_serial_base);
+                let (max_tokens, speculate) = (self.max_tokens, self.speculate);
                 tokio::spawn(async move {
                     let mut done = Vec::new();
                     loop {
@@ -371,11 +354,7 @@ impl Load<'_> {
                             return done;
                         }
                         let prompt = &prompts[i % prompts.len()];
-                        let text = match serial_base {
-                            Some(base) => format!("Request {}.\n{}", base + i, prompt.text),
-                            None => prompt.text.clone(),
-                        };
-                        let result = session(url.clone(), text, max_tokens, speculate).await;
+                        let result = session(url.clone(), prompt.text.clone(), max_tokens, speculate).await;
                         done.push((prompt.workload.clone(), result));
                     }
                 })
@@ -549,41 +528,38 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
         "--unbatched-baseline is measured beside one batched verifier: include 1 in --verifiers"
     );
     let mut rows = Vec::new();
-    // Runs of one (concurrency, repetition) share their `--unique-prompts` serials across the
-    // modes, so every mode runs the same texts.
-    let mut serial_base = 0;
     for &verifier_count in &args.verifiers {
-        let mut modes: Vec<(&'static str, bool, bool)> =
-            vec![("plain", false, true), ("speculative", true, true)];
-        if args.control {
-            modes.push(("plain-again", false, true));
-        }
+        // The modes share one stack: processes started at different times have run at
+        // different speeds on the development VMs (by up to 25%, the later ones faster),
+        // which would land in the ratios.
         // The baseline runs beside the batched verifier, its runs alternating with the
-        // others', so the machine's drift weighs on both alike.
-        if args.unbatched_baseline && verifier_count == 1 {
-            modes.push(("plain-unbatched", false, false));
+        // others', so the machine's drift weighs on both alike; the two stacks start together
+        // so that neither is the older.
+        let (batched, unbatched) = tokio::try_join!(
+            Stack::start(&bin_dir, &model, verifier_count, true, &args, &prompts),
+            async {
+                if args.unbatched_baseline && verifier_count == 1 {
+                    Stack::start(&bin_dir, &model, 1, false, &args, &prompts)
+                        .await
+                        .map(Some)
+                } else {
+                    Ok(None)
+                }
+            }
+        )?;
+        let mut modes: Vec<(&'static str, bool, &Stack)> =
+            vec![("plain", false, &batched), ("speculative", true, &batched)];
+        if args.control {
+            modes.push(("plain-again", false, &batched));
         }
-        // Each mode has a stack of its own, so no mode reuses the prefill another left in a
-        // verifier's prefix cache while they run the same texts.
-        let mut stacks = Vec::new();
-        for &(_, _, batched) in &modes {
-            stacks.push(Stack::start(&bin_dir, &model, verifier_count, batched, &args, &prompts).await?);
+        if let Some(stack) = &unbatched {
+            modes.push(("plain-unbatched", false, stack));
         }
         for &concurrency in &args.concurrency {
             let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
             for repetition in 0..args.repetitions.max(1) {
-                let load = Load {
-                    url: "",
-                    prompts: &prompts,
-                    concurrency,
-                    rounds: args.rounds as usize,
-                    max_tokens: args.max_tokens,
-                    speculate: false,
-                    unique_serial_base: args.unique_prompts.then_some(serial_base),
-                };
-                serial_base += load.sessions();
                 for i in mode_order(modes.len(), repetition) {
-                    let ((mode, speculate, _), stack) = (modes[i], &stacks[i]);
+                    let ((mode, speculate, stack), tally) = (modes[i], &mut tallies[i]);
                     eprintln!(
                         "bench load: {verifier_count} verifier(s), {concurrency} sessions, {mode} ({}/{})",
                         repetition + 1,
@@ -591,10 +567,13 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
                     );
                     let load = Load {
                         url: &stack.url,
+                        prompts: &prompts,
+                        concurrency,
+                        rounds: args.rounds as usize,
+                        max_tokens: args.max_tokens,
                         speculate,
-                        ..load
                     };
-                    tallies[i].add(load.run(stack.pids).await?);
+                    tally.add(load.run(stack.pids).await?);
                 }
             }
             for (&(mode, _, _), tally) in modes.iter().zip(tallies) {
