@@ -29,14 +29,14 @@ impl Default for NgramConfig {
 #[derive(Debug, Clone, clap::Args)]
 pub struct NgramArgs {
     /// Longest suffix the prompt-lookup drafter tries to match.
-    #[arg(long, env = "SPECD_NGRAM_MAX", default_value_t = 4)]
+    #[arg(long, env = "SPECD_NGRAM_MAX", default_value_t = NgramConfig::default().max_n)]
     pub ngram_max: usize,
     /// Shortest suffix the prompt-lookup drafter accepts as a match (at least 1).
-    #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = 1)]
+    #[arg(long, env = "SPECD_NGRAM_MIN", default_value_t = NgramConfig::default().min_n)]
     pub ngram_min: usize,
     /// End a prompt-lookup proposal where the matched suffix's earlier occurrences disagree
     /// on what came next (true/false).
-    #[arg(long, env = "SPECD_NGRAM_STOP_AT_DISAGREEMENT", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "SPECD_NGRAM_STOP_AT_DISAGREEMENT", default_value_t = NgramConfig::default().stop_at_disagreement, action = clap::ArgAction::Set)]
     pub ngram_stop_at_disagreement: bool,
 }
 
