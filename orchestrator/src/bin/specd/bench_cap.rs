@@ -8,7 +8,10 @@
 //! Between the two sits [`policy_replay`]: the same replay with the orchestrator's own K
 //! policy choosing K, free drafting and no transport. The cap over the replay is what the
 //! policy's choices cost; the replay over the measured speed-up is what drafting, transport
-//! and the orchestrator cost.
+//! and the orchestrator cost. The policy's choices split in two: whether to draft at all,
+//! and how many drafts to verify. The [`Lengths::Oracle`] replay keeps the first and takes
+//! the second from the oracle (every draft the policy makes verifies exactly the tokens that
+//! will be kept, at least one), so it says which of the two the policy loses on.
 
 use specd_drafter::NgramConfig;
 use specd_drafter::ngram::propose;
@@ -58,14 +61,25 @@ pub fn oracle_cap(
     tokens as f64 * pass_seconds(1) / seconds
 }
 
+/// How a replayed step's number of drafts is chosen once the policy has chosen to draft.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lengths {
+    /// The policy's k.
+    Policy,
+    /// The drafts that will be kept, at least one (what a perfect length estimate would pick).
+    Oracle,
+}
+
 /// Plain-decoding speed over what the adaptive K policy reaches replaying `traces` (see the
 /// module documentation): each trace a fresh session, the policy asking the drafter and
 /// choosing K exactly as the generation loop does, against a cost model that has measured
 /// every pass size up to `max_k + 1` at `pass_seconds` and a drafter that costs nothing.
+/// With [`Lengths::Oracle`], a step the policy drafts verifies the drafts that will be kept.
 pub fn policy_replay(
     traces: &[Trace],
     max_k: usize,
     config: NgramConfig,
+    lengths: Lengths,
     pass_seconds: impl Fn(usize) -> f64,
 ) -> f64 {
     let costs = CostModel::default();
@@ -96,6 +110,9 @@ pub fn policy_replay(
                 let proposal = propose(&trace.context[..at], available, config);
                 let group = bucket(proposal.match_length);
                 k = policy.choose(proposal.tokens.len(), group, &costs);
+                if k > 0 && lengths == Lengths::Oracle {
+                    k = kept(&proposal.tokens, &trace.context[at..]).max(1);
+                }
                 policy.record_ask(k > 0);
                 let accepted = kept(&proposal.tokens[..k], &trace.context[at..]);
                 policy.record(k, accepted, group);
@@ -153,7 +170,7 @@ mod tests {
         let curve = |n: usize| 1.0 + 0.2 * (n - 1) as f64;
         let (cap, replay) = (
             oracle_cap(&[t()], 4, NgramConfig::default(), curve),
-            policy_replay(&[t()], 4, NgramConfig::default(), curve),
+            policy_replay(&[t()], 4, NgramConfig::default(), Lengths::Policy, curve),
         );
         // A verbatim copy: the policy learns that drafts hold and drafts deeply.
         assert!(replay > 2.0 && replay <= cap + 1e-9, "replay {replay}, cap {cap}");
@@ -161,8 +178,33 @@ mod tests {
         // policy stops drafting after a few misses, so it stays near plain speed.
         let output: Vec<u32> = (5..40).flat_map(|t| [t, 1]).collect();
         let t = trace(&[1, 2, 3, 1, 4], &output);
-        let replay = policy_replay(&[t], 4, NgramConfig::default(), curve);
+        let replay = policy_replay(&[t], 4, NgramConfig::default(), Lengths::Policy, curve);
         assert!(replay > 0.7 && replay < 1.0, "{replay}");
+    }
+
+    #[test]
+    fn oracle_lengths_keep_the_policys_decisions_to_draft_and_cut_its_overshoot() {
+        // Copies of 6 tokens broken by a new token: a proposal runs past each copy's end,
+        // so the policy's k overshoots where the oracle's length stops.
+        let prompt: Vec<u32> = (10..16).collect();
+        let output: Vec<u32> = (0..30u32)
+            .flat_map(|i| [100 + i, 10, 11, 12, 13, 14, 15])
+            .collect();
+        let t = || trace(&prompt, &output);
+        let curve = |n: usize| 1.0 + 0.3 * (n - 1) as f64;
+        let policy = policy_replay(&[t()], 8, NgramConfig::default(), Lengths::Policy, curve);
+        let lengths = policy_replay(&[t()], 8, NgramConfig::default(), Lengths::Oracle, curve);
+        let cap = oracle_cap(&[t()], 8, NgramConfig::default(), curve);
+        assert!(
+            policy < lengths && lengths <= cap + 1e-9,
+            "policy {policy}, lengths {lengths}, cap {cap}"
+        );
+        // Where every draft of a k > 0 step is kept, the two agree.
+        let body: Vec<u32> = (10..200).collect();
+        let copy = || trace(&body, &body[..150]);
+        let a = policy_replay(&[copy()], 4, NgramConfig::default(), Lengths::Policy, curve);
+        let b = policy_replay(&[copy()], 4, NgramConfig::default(), Lengths::Oracle, curve);
+        assert!((a - b).abs() < 0.05 * a, "{a} vs {b}");
     }
 
     #[test]
