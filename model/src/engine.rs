@@ -33,6 +33,8 @@ enum Job {
         queued_at: Instant,
         /// Prompt tokens earlier passes computed for this job (chunked prefill).
         prefilled: usize,
+        /// Passes this job sat out for want of prompt budget (see `prefill_order`).
+        waited: usize,
         /// The cache those passes built. It travels with the job, not in the cache store, so
         /// eviction between chunks cannot undo them (two prompts evicting each other's
         /// caches would never finish).
@@ -155,6 +157,7 @@ impl Engine {
             deferred: VecDeque::new(),
             returns: Returns::new(options.return_wait_share),
             last_pass_end: None,
+            passes: 0,
             share_prefixes: options.share_prefixes,
         };
         std::thread::Builder::new()
@@ -203,6 +206,7 @@ impl Engine {
             reply,
             queued_at: Instant::now(),
             prefilled: 0,
+            waited: 0,
             partial: None,
         };
         self.waiting.fetch_add(1, Ordering::Relaxed);
@@ -254,6 +258,8 @@ struct Worker {
     returns: Returns,
     /// When the previous pass ended: the time since is the engine's idle gap (logged).
     last_pass_end: Option<Instant>,
+    /// Forward passes run so far.
+    passes: u64,
     /// See [`EngineOptions::share_prefixes`].
     share_prefixes: bool,
 }
@@ -277,6 +283,7 @@ struct Planned {
     reply: oneshot::Sender<Result<Scores>>,
     queued_at: Instant,
     prefilled: usize,
+    waited: usize,
     /// Set when this pass computes only a chunk of the prompt: the job, to resume.
     resume: Option<ScoreRequest>,
 }
@@ -287,6 +294,7 @@ impl Worker {
             // Jobs carried from earlier passes go first; each is looked at once per pass, so
             // one that cannot join this pass waits for the next instead of spinning here.
             let mut carried = std::mem::take(&mut self.deferred);
+            prefill_order::sort(&mut carried, self.prefill_chunk);
             let first = match carried.pop_front() {
                 Some(job) => job,
                 None => match queue.recv() {
@@ -385,6 +393,7 @@ impl Worker {
             reply,
             queued_at,
             prefilled,
+            waited,
             partial,
         } = job
         else {
@@ -417,6 +426,7 @@ impl Worker {
                 reply,
                 queued_at,
                 prefilled,
+                waited: waited + 1,
                 partial: Some(cache),
             });
             return;
@@ -431,6 +441,7 @@ impl Worker {
             reply,
             queued_at,
             prefilled,
+            waited,
             resume,
         });
     }
@@ -487,6 +498,7 @@ impl Worker {
 
     fn run_batch(&mut self, mut batch: Vec<Planned>) {
         let started = Instant::now();
+        self.passes += 1;
         let batch_size = batch.len();
         let batch_tokens: usize = batch.iter().map(|p| p.new_tokens.len()).sum();
         let prompt_tokens = |p: &Planned| p.new_tokens.len().saturating_sub(p.logits_at.len());
@@ -537,6 +549,7 @@ impl Worker {
                             reply: planned.reply,
                             queued_at: planned.queued_at,
                             prefilled: planned.prefilled + planned.new_tokens.len(),
+                            waited: planned.waited,
                             partial: Some(planned.cache),
                         });
                         continue;
@@ -555,14 +568,14 @@ impl Worker {
                             others_prompt_tokens,
                             queue_seconds: (started - planned.queued_at).as_secs_f64(),
                             forward_seconds,
+                            pass: self.passes,
                         });
                     answered.push(planned.sequence.clone());
                     self.cache.put(planned.sequence, planned.cache);
                     let _ = planned.reply.send(scores);
                 }
                 self.returns.answered(answered, forward_seconds);
-                // The rest of chunked prompts run in the next pass, after the jobs that got no
-                // prefill budget in this one (round robin among prompts).
+                // The rest of chunked prompts run in later passes, in `prefill_order`.
                 self.deferred.extend(resumed);
             }
             Err(e) => {
@@ -580,6 +593,7 @@ impl Worker {
     }
 }
 
+mod prefill_order;
 mod returns;
 #[cfg(test)]
 mod tests;

@@ -201,3 +201,29 @@ fn without_prefix_sharing_a_sequence_reuses_only_its_own_cache() {
         "a's own cache still serves a"
     );
 }
+
+#[test]
+fn prompts_that_arrive_together_are_computed_one_after_another() {
+    // Three 48-token prompts, 16 prompt tokens per pass: the first finishes in the third
+    // pass and the others follow, rather than all three finishing together in the last.
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        prefill_chunk: 16,
+        ..EngineOptions::default()
+    });
+    let prompt = |seed: u32| -> Vec<u32> { (0..49).map(|i| 3 + (i * seed % 250)).collect() };
+    let receivers: Vec<_> = [7, 11, 13]
+        .iter()
+        .enumerate()
+        .map(|(i, &seed)| {
+            loaded
+                .engine
+                .submit(request(&format!("p{i}"), &prompt(seed)))
+                .unwrap()
+        })
+        .collect();
+    let passes: Vec<u64> = receivers
+        .into_iter()
+        .map(|r| r.blocking_recv().unwrap().unwrap().pass)
+        .collect();
+    assert_eq!(passes, [3, 6, 9], "passes that answered each prompt");
+}

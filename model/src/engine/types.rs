@@ -89,6 +89,8 @@ pub struct Scores {
     /// Time the job waited for the engine, and the forward pass itself.
     pub queue_seconds: f64,
     pub forward_seconds: f64,
+    /// The engine's count of forward passes when this one ran (the first is 1).
+    pub pass: u64,
 }
 
 impl Scores {
