@@ -26,8 +26,9 @@ pub struct ModelArgs {
     /// Scoring jobs that may wait for the model; more are refused at once (overload).
     #[arg(long, env = "SPECD_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
-    /// Most prompt tokens of one sequence computed per forward pass (0: no limit); longer
-    /// prompts take several passes, shared with other sessions' decode steps.
+    /// Most prompt tokens computed per forward pass, over all sequences (0: no limit); longer
+    /// prompts take several passes, shared with other sessions' decode steps, the prompt with
+    /// least left first.
     #[arg(long, env = "SPECD_PREFILL_CHUNK", default_value_t = 64)]
     pub prefill_chunk: usize,
     /// Microseconds a forward pass may wait for more jobs to batch once one is ready.
