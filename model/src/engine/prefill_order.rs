@@ -48,7 +48,7 @@ fn key(job: &Job, chunk: usize) -> (i64, Option<Instant>) {
 
 /// Lower runs first: prompt tokens left, less a quarter of `chunk` per pass waited.
 fn priority(left: usize, waited: usize, chunk: usize) -> i64 {
-    let credit = waited.saturating_mul(chunk / AGING_DIVISOR.max(1));
+    let credit = waited.saturating_mul(chunk / AGING_DIVISOR);
     i64::try_from(left).unwrap_or(i64::MAX) - i64::try_from(credit).unwrap_or(i64::MAX)
 }
 

@@ -110,11 +110,12 @@ pub fn policy_replay(
                 let proposal = propose(&trace.context[..at], available, config);
                 let group = bucket(proposal.match_length);
                 k = policy.choose(proposal.tokens.len(), group, &costs);
+                let keeps = kept(&proposal.tokens, &trace.context[at..]);
                 if k > 0 && lengths == Lengths::Oracle {
-                    k = kept(&proposal.tokens, &trace.context[at..]).max(1);
+                    k = keeps.max(1);
                 }
                 policy.record_ask(k > 0);
-                let accepted = kept(&proposal.tokens[..k], &trace.context[at..]);
+                let accepted = keeps.min(k);
                 policy.record(k, accepted, group);
                 emitted += accepted;
             } else {
