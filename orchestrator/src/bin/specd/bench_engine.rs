@@ -101,7 +101,7 @@ fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usiz
 /// context's prompt pass by up to 1.5× for tens of milliseconds, after a 16-token pass by
 /// about 15% for a few passes (measured on this project's CPU machines, with and without
 /// AMX: weights left unread, through an idle gap or a long pass, go cold in a shared L3; see
-/// docs/SCALING.md). In a live stream most passes are one-token passes, so that is what each
+/// docs/SCALING-RUNS.md). In a live stream most passes are one-token passes, so that is what each
 /// timed pass follows.
 const CURVE_SETTLE_SECONDS: f64 = 0.2;
 const CURVE_LEAD_PASSES: usize = 3;
