@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use specd_model::{DeviceSpec, EngineOptions, LoadedModel, ModelError};
+use specd_model::{DeviceSpec, EngineOptions, LoadedModel, ModelError, PrefillOrder};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
@@ -27,10 +27,15 @@ pub struct ModelArgs {
     #[arg(long, env = "SPECD_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
     /// Most prompt tokens computed per forward pass, over all sequences (0: no limit); longer
-    /// prompts take several passes, shared with other sessions' decode steps, the prompt with
-    /// least left first.
+    /// prompts take several passes, shared with other sessions' decode steps.
     #[arg(long, env = "SPECD_PREFILL_CHUNK", default_value_t = 64)]
     pub prefill_chunk: usize,
+    /// Which waiting prompt takes a pass's prompt tokens: least-left (the prompt with least
+    /// left, aged so none starves: prompts arriving together finish one after another, a
+    /// lower median time to first token) or turns (a chunk each: they finish together,
+    /// sometimes a lower 99th percentile).
+    #[arg(long, env = "SPECD_PREFILL_ORDER", default_value = "least-left")]
+    pub prefill_order: PrefillOrder,
     /// Microseconds a forward pass may wait for more jobs to batch once one is ready.
     #[arg(long, env = "SPECD_BATCH_WAIT_US", default_value_t = 0)]
     pub batch_wait_us: u64,
@@ -67,6 +72,7 @@ impl ModelArgs {
             max_batch_tokens: self.max_batch_tokens,
             max_queue: self.max_queue,
             prefill_chunk: self.prefill_chunk,
+            prefill_order: self.prefill_order,
             batch_wait: std::time::Duration::from_micros(self.batch_wait_us),
             return_wait_share: self.return_wait_share,
             share_prefixes: self.share_prefixes,

@@ -24,7 +24,7 @@ use crate::kv_cache::KvCache;
 use crate::llama::{Llama, SequenceStep};
 use crate::tokenizer::TextTokenizer;
 use returns::Returns;
-pub use types::{DEFAULT_RETURN_WAIT_SHARE, EngineOptions, ModelInfo, ScoreRequest, Scores};
+pub use types::{DEFAULT_RETURN_WAIT_SHARE, EngineOptions, ModelInfo, PrefillOrder, ScoreRequest, Scores};
 
 enum Job {
     Score {
@@ -153,6 +153,7 @@ impl Engine {
             llama: llama.clone(),
             max_batch_tokens: options.max_batch_tokens.max(1),
             prefill_chunk: options.prefill_chunk,
+            prefill_order: options.prefill_order,
             batch_wait: options.batch_wait,
             deferred: VecDeque::new(),
             returns: Returns::new(options.return_wait_share),
@@ -251,6 +252,7 @@ struct Worker {
     cache: CacheStore,
     max_batch_tokens: usize,
     prefill_chunk: usize,
+    prefill_order: PrefillOrder,
     batch_wait: std::time::Duration,
     /// Jobs taken from the queue that run in a later pass (a chunked prompt's rest, or a
     /// second job for a sequence already in the pass), oldest first.
@@ -294,7 +296,9 @@ impl Worker {
             // Jobs carried from earlier passes go first; each is looked at once per pass, so
             // one that cannot join this pass waits for the next instead of spinning here.
             let mut carried = std::mem::take(&mut self.deferred);
-            prefill_order::sort(&mut carried, self.prefill_chunk);
+            if self.prefill_order == PrefillOrder::LeastLeft {
+                prefill_order::sort(&mut carried, self.prefill_chunk);
+            }
             let first = match carried.pop_front() {
                 Some(job) => job,
                 None => match queue.recv() {

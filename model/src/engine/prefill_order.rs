@@ -6,6 +6,7 @@
 //! until then the passes held prompt tokens only.) So that a long prompt is not starved by a
 //! stream of shorter ones, each pass a job sits out for want of budget counts its prompt
 //! down by a quarter of the budget: it waits at most about four times its own passes.
+//! (`PrefillOrder::Turns` skips this sort: carried jobs then take the budget in turns.)
 
 use std::collections::VecDeque;
 use std::time::Instant;

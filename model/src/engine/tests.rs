@@ -227,3 +227,44 @@ fn prompts_that_arrive_together_are_computed_one_after_another() {
         .collect();
     assert_eq!(passes, [3, 6, 9], "passes that answered each prompt");
 }
+
+#[test]
+fn prompts_take_turns_when_told_to() {
+    // The same three prompts with `PrefillOrder::Turns`: a chunk each per pass, so all
+    // three finish in the last passes. Turns depend on arrival, so the first pass waits
+    // for all three (a busy test machine could start it with the first alone).
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        prefill_chunk: 16,
+        prefill_order: PrefillOrder::Turns,
+        batch_wait: Duration::from_millis(30),
+        ..EngineOptions::default()
+    });
+    let prompt = |seed: u32| -> Vec<u32> { (0..49).map(|i| 3 + (i * seed % 250)).collect() };
+    let receivers: Vec<_> = [7, 11, 13]
+        .iter()
+        .enumerate()
+        .map(|(i, &seed)| {
+            loaded
+                .engine
+                .submit(request(&format!("p{i}"), &prompt(seed)))
+                .unwrap()
+        })
+        .collect();
+    let passes: Vec<u64> = receivers
+        .into_iter()
+        .map(|r| r.blocking_recv().unwrap().unwrap().pass)
+        .collect();
+    assert_eq!(passes, [7, 8, 9], "passes that answered each prompt");
+}
+
+#[test]
+fn prefill_orders_parse_from_their_flag_values() {
+    assert_eq!("least-left".parse(), Ok(PrefillOrder::LeastLeft));
+    assert_eq!("turns".parse(), Ok(PrefillOrder::Turns));
+    assert!(
+        "fifo"
+            .parse::<PrefillOrder>()
+            .unwrap_err()
+            .contains("least-left or turns")
+    );
+}
