@@ -202,40 +202,13 @@ fn without_prefix_sharing_a_sequence_reuses_only_its_own_cache() {
     );
 }
 
-#[test]
-fn prompts_that_arrive_together_are_computed_one_after_another() {
-    // Three 48-token prompts, 16 prompt tokens per pass: the first finishes in the third
-    // pass and the others follow, rather than all three finishing together in the last.
+/// Submits three 48-token prompts together to an engine computing 16 prompt tokens per pass
+/// in `order`, and returns the pass that answered each. The first pass waits for all three
+/// (a busy test machine could otherwise start it with the first alone).
+fn passes_answering_three_prompts(order: PrefillOrder) -> Vec<u64> {
     let (_file, loaded) = tiny_engine(EngineOptions {
         prefill_chunk: 16,
-        ..EngineOptions::default()
-    });
-    let prompt = |seed: u32| -> Vec<u32> { (0..49).map(|i| 3 + (i * seed % 250)).collect() };
-    let receivers: Vec<_> = [7, 11, 13]
-        .iter()
-        .enumerate()
-        .map(|(i, &seed)| {
-            loaded
-                .engine
-                .submit(request(&format!("p{i}"), &prompt(seed)))
-                .unwrap()
-        })
-        .collect();
-    let passes: Vec<u64> = receivers
-        .into_iter()
-        .map(|r| r.blocking_recv().unwrap().unwrap().pass)
-        .collect();
-    assert_eq!(passes, [3, 6, 9], "passes that answered each prompt");
-}
-
-#[test]
-fn prompts_take_turns_when_told_to() {
-    // The same three prompts with `PrefillOrder::Turns`: a chunk each per pass, so all
-    // three finish in the last passes. Turns depend on arrival, so the first pass waits
-    // for all three (a busy test machine could start it with the first alone).
-    let (_file, loaded) = tiny_engine(EngineOptions {
-        prefill_chunk: 16,
-        prefill_order: PrefillOrder::Turns,
+        prefill_order: order,
         batch_wait: Duration::from_millis(30),
         ..EngineOptions::default()
     });
@@ -250,11 +223,31 @@ fn prompts_take_turns_when_told_to() {
                 .unwrap()
         })
         .collect();
-    let passes: Vec<u64> = receivers
+    receivers
         .into_iter()
         .map(|r| r.blocking_recv().unwrap().unwrap().pass)
-        .collect();
-    assert_eq!(passes, [7, 8, 9], "passes that answered each prompt");
+        .collect()
+}
+
+#[test]
+fn prompts_that_arrive_together_are_computed_one_after_another() {
+    // The first finishes in the third pass and the others follow, rather than all three
+    // finishing together in the last.
+    assert_eq!(
+        passes_answering_three_prompts(PrefillOrder::LeastLeft),
+        [3, 6, 9],
+        "passes that answered each prompt"
+    );
+}
+
+#[test]
+fn prompts_take_turns_when_told_to() {
+    // A chunk each per pass, so all three finish in the last passes.
+    assert_eq!(
+        passes_answering_three_prompts(PrefillOrder::Turns),
+        [7, 8, 9],
+        "passes that answered each prompt"
+    );
 }
 
 #[test]
