@@ -24,7 +24,9 @@ use crate::kv_cache::KvCache;
 use crate::llama::{Llama, SequenceStep};
 use crate::tokenizer::TextTokenizer;
 use returns::Returns;
-pub use types::{DEFAULT_RETURN_WAIT_SHARE, EngineOptions, ModelInfo, PrefillOrder, ScoreRequest, Scores};
+pub use types::{
+    DEFAULT_RETURN_WAIT_SHARE, EngineOptions, Logits, ModelInfo, PrefillOrder, ScoreRequest, Scores,
+};
 
 enum Job {
     Score {
@@ -516,7 +518,7 @@ impl Worker {
                     logits_at: &p.logits_at,
                 })
                 .collect();
-            self.llama.forward(&mut steps)
+            self.llama.forward_rows(&mut steps)
         };
         let forward_seconds = started.elapsed().as_secs_f64();
         let idle_seconds = self
@@ -543,9 +545,14 @@ impl Worker {
         let vocab = self.llama.config().vocab_size;
         match result {
             Ok(all_logits) => {
+                let all_logits = Arc::new(all_logits);
+                let mut rows_before = 0;
                 let mut resumed = Vec::new();
                 let mut answered = Vec::with_capacity(batch_size);
-                for (planned, logits) in batch.into_iter().zip(all_logits) {
+                for planned in batch {
+                    let rows = planned.logits_at.len();
+                    let logits = Logits::new(all_logits.clone(), rows_before * vocab, rows * vocab);
+                    rows_before += rows;
                     let others_prompt_tokens = batch_prompt_tokens - prompt_tokens(&planned);
                     if let Some(request) = planned.resume {
                         resumed.push(Job::Score {
@@ -558,25 +565,21 @@ impl Worker {
                         });
                         continue;
                     }
-                    let scores = logits
-                        .flatten_all()
-                        .and_then(|t| t.to_vec1::<f32>())
-                        .map_err(ModelError::from)
-                        .map(|logits| Scores {
-                            logits,
-                            vocab,
-                            reused: planned.reused.saturating_sub(planned.prefilled),
-                            computed: planned.new_tokens.len() + planned.prefilled,
-                            batch_size,
-                            batch_tokens,
-                            others_prompt_tokens,
-                            queue_seconds: (started - planned.queued_at).as_secs_f64(),
-                            forward_seconds,
-                            pass: self.passes,
-                        });
+                    let scores = Scores {
+                        logits,
+                        vocab,
+                        reused: planned.reused.saturating_sub(planned.prefilled),
+                        computed: planned.new_tokens.len() + planned.prefilled,
+                        batch_size,
+                        batch_tokens,
+                        others_prompt_tokens,
+                        queue_seconds: (started - planned.queued_at).as_secs_f64(),
+                        forward_seconds,
+                        pass: self.passes,
+                    };
                     answered.push(planned.sequence.clone());
                     self.cache.put(planned.sequence, planned.cache);
-                    let _ = planned.reply.send(scores);
+                    let _ = planned.reply.send(Ok(scores));
                 }
                 self.returns.answered(answered, forward_seconds);
                 // The rest of chunked prompts run in later passes, in `prefill_order`.

@@ -207,28 +207,37 @@ impl Llama {
     /// Appends each sequence's tokens to its cache in ONE batched forward pass and returns,
     /// per sequence, logits `[logits_at.len(), vocab]` (f32, on the CPU).
     pub fn forward(&self, steps: &mut [SequenceStep<'_>]) -> Result<Vec<Tensor>> {
+        let rows: Vec<usize> = steps.iter().map(|s| s.logits_at.len()).collect();
+        let logits = Tensor::from_vec(
+            self.forward_rows(steps)?,
+            (rows.iter().sum::<usize>(), self.cfg.vocab_size),
+            &Device::Cpu,
+        )?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut start = 0;
+        for n in rows {
+            out.push(logits.narrow(0, start, n)?);
+            start += n;
+        }
+        Ok(out)
+    }
+
+    /// As [`Llama::forward`], with every sequence's logits rows in one host buffer, sequence
+    /// after sequence, `[Σ logits_at.len(), vocab]`: the CPU pass's own output, not copied.
+    pub fn forward_rows(&self, steps: &mut [SequenceStep<'_>]) -> Result<Vec<f32>> {
         self.validate(steps)?;
         for step in steps.iter_mut() {
             step.cache.reserve(step.tokens.len())?;
         }
         let logits = if self.device.is_cpu() {
-            let wanted: usize = steps.iter().map(|s| s.logits_at.len()).sum();
-            Tensor::from_vec(
-                crate::host::forward(self, steps)?,
-                (wanted, self.cfg.vocab_size),
-                &Device::Cpu,
-            )?
+            crate::host::forward(self, steps)?
         } else {
-            self.forward_device(steps)?
+            self.forward_device(steps)?.flatten_all()?.to_vec1::<f32>()?
         };
-        let mut out = Vec::with_capacity(steps.len());
-        let mut start = 0;
         for step in steps.iter_mut() {
             step.cache.commit(step.tokens);
-            out.push(logits.narrow(0, start, step.logits_at.len())?);
-            start += step.logits_at.len();
         }
-        Ok(out)
+        Ok(logits)
     }
 
     /// Embedding row of `token` into `out` (`n_embd` values).

@@ -1,6 +1,8 @@
 //! What callers hand the engine and get back: its options, a scoring request, the scores,
 //! and the identity of the model it runs.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::device::DeviceSpec;
@@ -101,10 +103,47 @@ pub struct ScoreRequest {
     pub logits_from: usize,
 }
 
+/// One request's logits: a window of its forward pass's logits, which every request the
+/// pass served shares (a batched pass's replies copy nothing). Reads as a `[f32]`.
+#[derive(Clone)]
+pub struct Logits {
+    pass: Arc<Vec<f32>>,
+    start: usize,
+    len: usize,
+}
+
+impl Logits {
+    /// Values `start..start + len` of a pass's logits.
+    pub(crate) fn new(pass: Arc<Vec<f32>>, start: usize, len: usize) -> Self {
+        assert!(start + len <= pass.len(), "a window inside the pass's logits");
+        Self { pass, start, len }
+    }
+}
+
+impl std::ops::Deref for Logits {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.pass[self.start..self.start + self.len]
+    }
+}
+
+impl PartialEq for Logits {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Logits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Logits({} values)", self.len)
+    }
+}
+
 /// Logits for the requested positions, row-major `[rows, vocab]`.
 #[derive(Debug, Clone)]
 pub struct Scores {
-    pub logits: Vec<f32>,
+    pub logits: Logits,
     pub vocab: usize,
     /// Context tokens served from the cache.
     pub reused: usize,
@@ -130,5 +169,27 @@ impl Scores {
 
     pub fn row(&self, i: usize) -> &[f32] {
         &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_are_their_window_of_the_pass_and_compare_by_value() {
+        let pass = Arc::new(vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let second = Logits::new(pass.clone(), 2, 2);
+        assert_eq!(&*second, &[2.0, 3.0]);
+        assert_eq!(Logits::new(pass.clone(), 6, 0).len(), 0);
+        // Equal values in different passes are equal logits; other windows are not.
+        assert_eq!(second, Logits::new(Arc::new(vec![2.0, 3.0]), 0, 2));
+        assert_ne!(second, Logits::new(pass, 3, 2));
+    }
+
+    #[test]
+    #[should_panic(expected = "a window inside the pass's logits")]
+    fn a_window_past_the_pass_is_refused() {
+        Logits::new(Arc::new(vec![0.0; 4]), 2, 3);
     }
 }
