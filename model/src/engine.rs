@@ -550,8 +550,8 @@ impl Worker {
                 let mut resumed = Vec::new();
                 let mut answered = Vec::with_capacity(batch_size);
                 for planned in batch {
-                    let rows = planned.logits_at.len();
-                    let logits = Logits::new(all_logits.clone(), rows_before * vocab, rows * vocab);
+                    // Rows are in batch order; a prompt chunk's job has none.
+                    let (first_row, rows) = (rows_before, planned.logits_at.len());
                     rows_before += rows;
                     let others_prompt_tokens = batch_prompt_tokens - prompt_tokens(&planned);
                     if let Some(request) = planned.resume {
@@ -566,7 +566,7 @@ impl Worker {
                         continue;
                     }
                     let scores = Scores {
-                        logits,
+                        logits: Logits::new(all_logits.clone(), first_row * vocab, rows * vocab),
                         vocab,
                         reused: planned.reused.saturating_sub(planned.prefilled),
                         computed: planned.new_tokens.len() + planned.prefilled,
