@@ -4,8 +4,10 @@
 //! of int32 sums, which AVX-512 then scales exactly as the VNNI kernels of `tiles.rs` do, so
 //! the two give identical results and the dispatcher picks by the number of rows: a tile
 //! multiply's latency and the sums' trip through memory pay only when enough rows share
-//! them (measured, 2 threads, Sapphire Rapids: 8-bit weights from 2 rows, 0.5–0.75× the
-//! VNNI time; 4-bit weights, whose sums' scaling dominates either way, only from about 14).
+//! them (measured, Sapphire Rapids class: 8-bit weights from 2 rows, 0.5–0.75× the VNNI
+//! time; 4-bit weights, whose sums' scaling dominates either way, from about 6 rows, 0.8×
+//! the VNNI time at 8 to 12 rows; `cargo bench -p specd-model --bench kernels` against
+//! `SPECD_KERNEL=avx512`).
 //!
 //! Rust has no stable AMX intrinsics, so the tile instructions are inline assembly. Linux
 //! hands out the tile registers' state only on request (`arch_prctl`), once per process.
@@ -21,7 +23,7 @@ use super::{BLOCK, QuantMatrix, QuantizedRows, TILE_COLS, TILE_ROWS};
 
 /// Activation rows from which tile multiplies beat the VNNI kernels of `tiles.rs` (measured;
 /// see the module documentation): 4-bit and 8-bit weights.
-const NIBBLE_ROWS_FROM: usize = 14;
+const NIBBLE_ROWS_FROM: usize = 6;
 const BYTE_ROWS_FROM: usize = 2;
 
 /// Whether tile multiplies pay for `rows` activation rows of 4-bit (`nibbles`) or 8-bit
@@ -186,6 +188,35 @@ unsafe fn unpack_nibbles(from: *const u8, to: *mut u8) {
     }
 }
 
+/// Scales one block's sums (`sums`: R rows of 16) into the accumulators. A function, always
+/// inlined, rather than a closure, so that the accumulators stay in registers (measured: as
+/// a closure it was not inlined from about 6 rows, each block's scaling went through memory,
+/// and 8 rows of 4-bit weights cost 30% more).
+///
+/// # Safety
+/// `record` must be in bounds of `w`, and `at + t · blocks` of `x`'s blocks for each row t;
+/// `sums` must hold R rows of 16 sums.
+#[inline(always)]
+unsafe fn scale_block<const R: usize, const NIBBLES: bool>(
+    acc: &mut [__m512; R],
+    w: &QuantMatrix,
+    record: usize,
+    x: &QuantizedRows,
+    at: usize,
+    sums: *const i32,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        let (dw, mins) = record_meta::<NIBBLES>(w, record);
+        for t in 0..R {
+            let at = at + t * x.blocks;
+            let row = _mm512_load_si512(sums.add(t * TILE_COLS) as *const __m512i);
+            let (dx, sx) = (*x.scales.get_unchecked(at), *x.sums.get_unchecked(at));
+            acc[t] = scale_sums::<NIBBLES>(acc[t], row, dw, mins, dx, sx);
+        }
+    }
+}
+
 /// Weight rows `16 · group .. + 16` (4-bit with `NIBBLES`, else signed 8-bit) × activation
 /// rows `r0..r0 + R` into `out[t * 16 + c]`: per block, the tile of integer sums, then for
 /// each activation row `acc = fma(sum, d_w · d_x, acc)` and, for 4-bit weights, `acc =
@@ -221,23 +252,18 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
         )
     };
     let sums_at = |set: usize| sums_scratch.wrapping_add(set * TILE_ROWS * TILE_COLS);
-    // Scales block `block`'s sums (in set `set` of the scratch) into the accumulators.
-    let mut scale_block = |block: usize, set: usize| {
-        // SAFETY: the record is in bounds (checked above).
-        let (dw, mins) = unsafe { record_meta::<NIBBLES>(w, group * nb + block) };
-        for t in 0..R {
-            let at = (r0 + t) * nb + block;
-            // SAFETY: row t's 16 sums lie in the scratch; `at` is in bounds (checked above).
-            let (sums, dx, sx) = unsafe {
-                (
-                    _mm512_load_si512(sums_at(set).add(t * TILE_COLS) as *const __m512i),
-                    *x.scales.get_unchecked(at),
-                    *x.sums.get_unchecked(at),
-                )
-            };
-            acc[t] = scale_sums::<NIBBLES>(acc[t], sums, dw, mins, dx, sx);
-        }
-    };
+    // Scales block `block`'s sums (in set `set` of the scratch) into the accumulators. A
+    // macro, not a closure: closures were not always inlined (see `scale_block`).
+    macro_rules! scale_block {
+        ($block:expr, $set:expr) => {{
+            let block = $block;
+            // SAFETY: the record and the rows' block are in bounds (checked above); the set
+            // holds a tile of sums.
+            unsafe {
+                scale_block::<R, NIBBLES>(&mut acc, w, group * nb + block, x, r0 * nb + block, sums_at($set))
+            }
+        }};
+    }
     let unpack = |block: usize| {
         let to = weights_scratch.wrapping_add(block % UNPACKED_SLOTS * BYTE_RECORD);
         // SAFETY: the record is in bounds (checked above) and the slot in the scratch.
@@ -265,13 +291,13 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
             pipeline_step::<NIBBLES>(set, rows_at.add(b * BLOCK), k, weights, sums_at(1 - set));
         }
         if b > 0 {
-            scale_block(b - 1, 1 - set);
+            scale_block!(b - 1, 1 - set);
         }
     }
     let last = (nb - 1) % 2;
     // SAFETY: the scratch holds a tile of sums per set.
     unsafe { store_sums(last, sums_at(last)) };
-    scale_block(nb - 1, last);
+    scale_block!(nb - 1, last);
     // SAFETY: `out` holds R rows of 16 (checked above).
     unsafe { store_rows(&acc, out) };
 }
