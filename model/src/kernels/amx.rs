@@ -190,8 +190,8 @@ unsafe fn unpack_nibbles(from: *const u8, to: *mut u8) {
 
 /// Scales one block's sums (`sums`: R rows of 16) into the accumulators. A function, always
 /// inlined, rather than a closure, so that the accumulators stay in registers (measured: as
-/// a closure it was not inlined from about 6 rows, each block's scaling went through memory,
-/// and 8 rows of 4-bit weights cost 30% more).
+/// a closure it was left out of line for 6–12 rows of 4-bit and 8–14 rows of 8-bit weights,
+/// each block's scaling went through memory, and 8 rows of 4-bit weights cost 30% more).
 ///
 /// # Safety
 /// `record` must be in bounds of `w`, and `at + t · blocks` of `x`'s blocks for each row t;
