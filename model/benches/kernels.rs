@@ -90,15 +90,17 @@ fn main() {
         let (mut hidden_rows, mut ffn_rows) = (QuantizedRows::default(), QuantizedRows::default());
         let mut gate_up = [vec![0f32; m * FFN], vec![0f32; m * FFN]];
         let mut down = vec![0f32; m * HIDDEN];
-        let ffn = fastest(reps, || {
+        // The feed-forward matrices of every layer, as a pass multiplies them.
+        let mut sweep = |hidden_rows: &mut QuantizedRows| {
             for [gate, up, down_w] in &layers {
                 hidden_rows.quantize_for(&[gate, up], &x_hidden, m);
                 let [g, u] = &mut gate_up;
-                QuantMatrix::matmul_many_into(&[gate, up], &hidden_rows, &mut [g, u], false);
+                QuantMatrix::matmul_many_into(&[gate, up], hidden_rows, &mut [g, u], false);
                 ffn_rows.quantize_for(&[down_w], &x_ffn, m);
                 QuantMatrix::matmul_many_into(&[down_w], &ffn_rows, &mut [&mut down], false);
             }
-        });
+        };
+        let ffn = fastest(reps, || sweep(&mut hidden_rows));
         let mut logits = vec![0f32; m * VOCAB];
         let lm = fastest(reps, || {
             hidden_rows.quantize_for(&[&head], &x_hidden, m);
@@ -106,13 +108,7 @@ fn main() {
         });
         let mut cold: Vec<f64> = (0..reps)
             .map(|_| {
-                for [gate, up, down_w] in &layers {
-                    hidden_rows.quantize_for(&[gate, up], &x_hidden, m);
-                    let [g, u] = &mut gate_up;
-                    QuantMatrix::matmul_many_into(&[gate, up], &hidden_rows, &mut [g, u], false);
-                    ffn_rows.quantize_for(&[down_w], &x_ffn, m);
-                    QuantMatrix::matmul_many_into(&[down_w], &ffn_rows, &mut [&mut down], false);
-                }
+                sweep(&mut hidden_rows);
                 hidden_rows.quantize_for(&[&head], &x_hidden, m);
                 let started = Instant::now();
                 QuantMatrix::matmul_many_into(&[&head], &hidden_rows, &mut [&mut logits], false);
