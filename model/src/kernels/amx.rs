@@ -188,28 +188,29 @@ unsafe fn unpack_nibbles(from: *const u8, to: *mut u8) {
     }
 }
 
-/// Scales one block's sums (`sums`: R rows of 16) into the accumulators. A function, always
-/// inlined, rather than a closure, so that the accumulators stay in registers (measured: as
+/// Scales one block's sums (`sums`: R rows of 16) into the accumulators: block `block` of
+/// weight group `group` and of activation rows `r0..r0 + R`. A function, always inlined,
+/// rather than a closure, so that the accumulators stay in registers (measured: as
 /// a closure it was left out of line for 6–12 rows of 4-bit and 8–14 rows of 8-bit weights,
 /// each block's scaling went through memory, and 8 rows of 4-bit weights cost 30% more).
 ///
 /// # Safety
-/// `record` must be in bounds of `w`, and `at + t · blocks` of `x`'s blocks for each row t;
-/// `sums` must hold R rows of 16 sums.
+/// The record and the rows' block must be in bounds (see `check`); `sums` must hold R rows
+/// of 16 sums.
 #[inline(always)]
 unsafe fn scale_block<const R: usize, const NIBBLES: bool>(
     acc: &mut [__m512; R],
-    w: &QuantMatrix,
-    record: usize,
-    x: &QuantizedRows,
-    at: usize,
+    (w, group): (&QuantMatrix, usize),
+    (x, r0): (&QuantizedRows, usize),
+    block: usize,
     sums: *const i32,
 ) {
+    let nb = x.blocks;
     // SAFETY: as the caller guarantees.
     unsafe {
-        let (dw, mins) = record_meta::<NIBBLES>(w, record);
+        let (dw, mins) = record_meta::<NIBBLES>(w, group * nb + block);
         for t in 0..R {
-            let at = at + t * x.blocks;
+            let at = (r0 + t) * nb + block;
             let row = _mm512_load_si512(sums.add(t * TILE_COLS) as *const __m512i);
             let (dx, sx) = (*x.scales.get_unchecked(at), *x.sums.get_unchecked(at));
             acc[t] = scale_sums::<NIBBLES>(acc[t], row, dw, mins, dx, sx);
@@ -252,18 +253,6 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
         )
     };
     let sums_at = |set: usize| sums_scratch.wrapping_add(set * TILE_ROWS * TILE_COLS);
-    // Scales block `block`'s sums (in set `set` of the scratch) into the accumulators. A
-    // macro, not a closure: closures were not always inlined (see `scale_block`).
-    macro_rules! scale_block {
-        ($block:expr, $set:expr) => {{
-            let block = $block;
-            // SAFETY: the record and the rows' block are in bounds (checked above); the set
-            // holds a tile of sums.
-            unsafe {
-                scale_block::<R, NIBBLES>(&mut acc, w, group * nb + block, x, r0 * nb + block, sums_at($set))
-            }
-        }};
-    }
     let unpack = |block: usize| {
         let to = weights_scratch.wrapping_add(block % UNPACKED_SLOTS * BYTE_RECORD);
         // SAFETY: the record is in bounds (checked above) and the slot in the scratch.
@@ -291,13 +280,15 @@ pub unsafe fn tiles<const R: usize, const NIBBLES: bool>(
             pipeline_step::<NIBBLES>(set, rows_at.add(b * BLOCK), k, weights, sums_at(1 - set));
         }
         if b > 0 {
-            scale_block!(b - 1, 1 - set);
+            // SAFETY: block b - 1 is in bounds (checked above); its sums are in the other set.
+            unsafe { scale_block::<R, NIBBLES>(&mut acc, (w, group), (x, r0), b - 1, sums_at(1 - set)) };
         }
     }
     let last = (nb - 1) % 2;
     // SAFETY: the scratch holds a tile of sums per set.
     unsafe { store_sums(last, sums_at(last)) };
-    scale_block!(nb - 1, last);
+    // SAFETY: the last block is in bounds (checked above); its sums were just stored.
+    unsafe { scale_block::<R, NIBBLES>(&mut acc, (w, group), (x, r0), nb - 1, sums_at(last)) };
     // SAFETY: `out` holds R rows of 16 (checked above).
     unsafe { store_rows(&acc, out) };
 }
