@@ -338,6 +338,13 @@ fn every_quantiser_gives_the_portable_result() {
     for v in &mut x[k..k + 32] {
         *v = 0.0;
     }
+    // A block whose scaled sum overflows f16 (scale 787, sum 4064) and one of tiny values.
+    for (i, v) in x[2 * k..2 * k + 32].iter_mut().enumerate() {
+        *v = 1e5 * (1.0 - i as f32 / 1e3);
+    }
+    for v in &mut x[2 * k + 32..2 * k + 64] {
+        *v *= 1e-30;
+    }
     let mut portable = QuantizedRows::default();
     portable.quantize_with(Kernel::Portable, &x, 3, k, true);
     assert_eq!(portable.scales.len(), 3 * k / BLOCK);
@@ -357,10 +364,19 @@ fn every_quantiser_gives_the_portable_result() {
         without_lanes.quantize_with(kernel, &x, 3, k, false);
         assert!(!without_lanes.lanes_ready, "{kernel:?}");
         fast.quantize_with(kernel, &x, 3, k, true);
+        // The offset corrections the tile kernels start from (AVX-512 quantisers only).
+        let offsets: Vec<i32> = portable
+            .quants
+            .chunks_exact(BLOCK)
+            .map(|q| -128 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
+            .collect();
         for rows in [&fast, &without_lanes] {
             assert_eq!(rows.scales, portable.scales, "{kernel:?}");
             assert_eq!(rows.sums, portable.sums, "{kernel:?}");
             assert_eq!(rows.quants, portable.quants, "{kernel:?}");
+            if kernel.has_avx512() {
+                assert_eq!(rows.offsets, offsets, "{kernel:?}");
+            }
         }
         if !fast.lanes_ready {
             continue;
