@@ -267,7 +267,8 @@ struct PassCurve {
 
 impl PassCurve {
     /// Seconds of an `n`-token pass: measured where it was; between measured sizes a
-    /// straight line; beyond the largest the slope of the last two; never less than a
+    /// straight line; beyond the largest the slope from a much smaller size
+    /// ([`PassCurve::baseline`]); never less than a
     /// smaller pass's (a noisy sample must not make more tokens look cheaper).
     fn seconds(&self, n: usize) -> f64 {
         // Estimates are straight lines between measured sizes and rise outside them, so
@@ -291,6 +292,23 @@ impl PassCurve {
         self.prior_base + self.prior_per_token * (n - 1) as f64
     }
 
+    /// Where the slope past the largest measured size is taken from: the largest measured
+    /// size at most half of it, or else the smallest, so the slope spans a wide stretch of the
+    /// curve. The last two sizes would do only on a quiet curve: under load the measured
+    /// sizes are batches of every size, often neighbours (99 and 100 tokens) whose noise
+    /// makes their slope anything, and a flat one priced drafts on a saturated verifier as
+    /// nearly free (`bench load`, 64 sessions on one verifier: 0.76× plain). `None` with
+    /// fewer than two sizes.
+    fn baseline(measured: &[(usize, f64)]) -> Option<(usize, f64)> {
+        let (&(largest, _), smaller) = measured.split_last()?;
+        smaller
+            .iter()
+            .rev()
+            .find(|&&(size, _)| 2 * size <= largest)
+            .or(smaller.first())
+            .copied()
+    }
+
     fn estimate(&self, n: usize) -> f64 {
         let m = &self.measured;
         let split = m.partition_point(|&(size, _)| size <= n);
@@ -300,9 +318,8 @@ impl PassCurve {
             (Some((m0, t0)), _) if m0 == n => t0,
             (Some((m0, t0)), Some((m1, t1))) => t0 + (t1 - t0) * (n - m0) as f64 / (m1 - m0) as f64,
             (Some((m0, t0)), None) => {
-                let slope = split
-                    .checked_sub(2)
-                    .map(|i| ((t0 - m[i].1) / (m0 - m[i].0) as f64).max(0.0))
+                let slope = Self::baseline(&m[..split])
+                    .map(|(r, tr)| ((t0 - tr) / (m0 - r) as f64).max(0.0))
                     .unwrap_or(self.prior_per_token * t0 / self.prior_base);
                 t0 + slope * (n - m0) as f64
             }

@@ -63,7 +63,8 @@ fn passes_cost_what_was_measured_and_interpolate_between() {
     assert!((model.pass_seconds(4) - 0.012).abs() < 1e-6);
     let six = model.pass_seconds(6);
     assert!((six - 0.016).abs() < 1e-6, "{six}");
-    // Past the largest measured pass: the last slope (2 ms per token).
+    // Past the largest measured pass: the slope from the largest size at most half of it
+    // (8 to 24 tokens, 2 ms per token).
     let thirty = model.pass_seconds(30);
     assert!((thirty - 0.064).abs() < 1e-6, "{thirty}");
     // A noisy sample cannot make a larger pass cheaper than a smaller one.
@@ -81,11 +82,12 @@ fn one_slow_pass_does_not_price_deeper_drafts_out() {
             model.record_verify(pass(n, t));
         }
     }
-    // The first pass of 4, slowed twofold: sizes 2 and 3 imply 11.6 ms.
+    // The first pass of 4, slowed twofold: the slope from size 1 to 3 (the largest size at
+    // most half of 3, else the smallest) implies 11.5 ms.
     model.record_verify(pass(4, 24.0));
     let four = model.pass_seconds(4);
-    assert!((four - 0.01276).abs() < 1e-5, "{four}");
-    // Drafting 3 at 90% acceptance still pays, as it would at 11.6 ms.
+    assert!((four - 0.01265).abs() < 1e-5, "{four}");
+    // Drafting 3 at 90% acceptance still pays, as it would at 11.5 ms.
     assert!(best_k(&model, 0.9) >= 3);
     // A size measured often: one preempted pass moves it by a tenth at most.
     for _ in 0..50 {
@@ -173,6 +175,38 @@ fn k_shrinks_in_full_passes_and_grows_back_when_the_verifier_idles() {
     assert!(best_k(&model, 0.97) > 0);
     set_load(&model, 1);
     assert_eq!(best_k(&model, 0.7), alone);
+}
+
+#[test]
+fn past_the_largest_batch_the_curve_keeps_its_wide_slope_whatever_the_last_two_say() {
+    // Batched passes of many sizes, about 1 ms a token past a 10 ms weight stream; the two
+    // largest are neighbours, and noise has the larger one faster.
+    let model = CostModel::default();
+    for _ in 0..60 {
+        for (n, t) in [
+            (10, 20.0),
+            (20, 30.0),
+            (40, 50.0),
+            (60, 70.0),
+            (99, 110.0),
+            (100, 108.0),
+        ] {
+            model.record_verify(VerifyCall {
+                batch_size: n / 2,
+                ..pass(n, t)
+            });
+        }
+    }
+    // The slope from 40 to 100 tokens (58 ms over 60), not a flat one from 99 to 100.
+    let two_hundred = model.pass_seconds(200);
+    assert!(
+        (two_hundred - (0.108 + 100.0 * 0.058 / 60.0)).abs() < 1e-3,
+        "{two_hundred}"
+    );
+    // So 64 sessions sharing those passes do not draft at 70% acceptance: a draft row costs
+    // about as much as another session's token.
+    set_load(&model, 64);
+    assert_eq!(best_k(&model, 0.7), 0);
 }
 
 #[test]
