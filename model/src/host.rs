@@ -5,7 +5,9 @@
 //! and V in one pass over the thread pool; gate and up in another), rotary embedding is
 //! applied in place, SiLU·up is one loop, and the attention output and FFN products are
 //! added straight into the residual stream. Attention for every sequence of a batch is one
-//! pass over the pool. An optional [`ForwardProfile`] times each phase.
+//! pass over the pool. The row-by-row phases (norms, quantisation, rotary, SiLU) run on one
+//! thread for a few rows and over the pool for many (a prompt chunk, a large batch; see
+//! [`for_row_ranges`]). An optional [`ForwardProfile`] times each phase.
 
 use std::time::Instant;
 
@@ -13,7 +15,7 @@ use candle_core::Tensor;
 
 use crate::attention::{AttentionShape, SequenceAttention, attend};
 use crate::error::Result;
-use crate::kernels::{QuantMatrix, QuantizedRows};
+use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
 use crate::llama::{Linear, Llama, SequenceStep};
 
 /// Buffers of one forward pass, reused from pass to pass.
@@ -153,8 +155,21 @@ impl Laps {
     }
 }
 
-/// `out = x · w / rms(x)` per row of `dim` values (candle's and llama.cpp's RMS norm).
+/// `out = x · w / rms(x)` per row of `dim` values (candle's and llama.cpp's RMS norm), the
+/// rows spread over the thread pool (see [`for_row_ranges`]).
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    assert!(x.len() == out.len() && x.len().is_multiple_of(dim));
+    let out = SendPtr(out.as_mut_ptr());
+    for_row_ranges(x.len() / dim, |rows| {
+        let values = rows.start * dim..rows.end * dim;
+        // SAFETY: each range of rows goes to one thread; it lies in `out` (checked above).
+        rms_norm_rows(&x[values.clone()], weight, eps, unsafe { out.slice(values) });
+    });
+}
+
+/// [`rms_norm`] on this thread.
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     for (row, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         let mean = crate::attention::dot(row, row) / dim as f32;
@@ -175,6 +190,18 @@ fn rotate(row: &mut [f32], head_dim: usize, rope_dim: usize, cos: &[f32], sin: &
             head[2 * i + 1] = a * sin[i] + b * cos[i];
         }
     }
+}
+
+/// `gate = silu(gate) · up` over rows of `width` values, the rows spread over the thread
+/// pool (see [`for_row_ranges`]).
+fn silu_mul_rows(gate: &mut [f32], up: &[f32], width: usize) {
+    assert!(gate.len() == up.len() && gate.len().is_multiple_of(width));
+    let gate_ptr = SendPtr(gate.as_mut_ptr());
+    for_row_ranges(gate.len() / width, |rows| {
+        let values = rows.start * width..rows.end * width;
+        // SAFETY: each range of rows goes to one thread; it lies in `gate` (checked above).
+        silu_mul(unsafe { gate_ptr.slice(values.clone()) }, &up[values]);
+    });
 }
 
 /// `gate = silu(gate) · up`, with the attention's `exp` (16 lanes at a time with AVX-512: the
@@ -292,6 +319,11 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
         }
     }
     laps.lap(Phase::Embedding, 0);
+    // Each row's position in its sequence (for the rotary embedding).
+    let positions: Vec<usize> = steps
+        .iter()
+        .flat_map(|step| step.cache.len()..step.cache.len() + step.tokens.len())
+        .collect();
     let eps = cfg.rms_eps as f32;
     let half = cfg.rope_dim / 2;
     let shape = AttentionShape {
@@ -312,20 +344,26 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
             &mut laps,
         )?;
         laps.lap(Phase::QkvMatmul, n);
-        let mut row = 0;
-        for step in steps.iter() {
-            let start = step.cache.len();
-            for i in 0..step.tokens.len() {
-                let p = (start + i) * half;
+        let (q, k) = (SendPtr(s.q.as_mut_ptr()), SendPtr(s.k.as_mut_ptr()));
+        for_row_ranges(total, |rows| {
+            for (row, &position) in rows.clone().zip(&positions[rows]) {
+                let p = position * half;
                 let (cos, sin) = (
                     &model.rope_cos_host[p..p + half],
                     &model.rope_sin_host[p..p + half],
                 );
-                rotate(&mut s.q[row * qd..(row + 1) * qd], hd, cfg.rope_dim, cos, sin);
-                rotate(&mut s.k[row * kvd..(row + 1) * kvd], hd, cfg.rope_dim, cos, sin);
-                row += 1;
+                // SAFETY: each row goes to one thread, and its q and k values lie in the
+                // buffers (sized for `total` rows above).
+                let (q_row, k_row) = unsafe {
+                    (
+                        q.slice(row * qd..(row + 1) * qd),
+                        k.slice(row * kvd..(row + 1) * kvd),
+                    )
+                };
+                rotate(q_row, hd, cfg.rope_dim, cos, sin);
+                rotate(k_row, hd, cfg.rope_dim, cos, sin);
             }
-        }
+        });
         laps.lap(Phase::Rotary, 0);
         let mut row = 0;
         for step in steps.iter_mut() {
@@ -373,7 +411,7 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
             &mut laps,
         )?;
         laps.lap(Phase::GateUpMatmul, n);
-        silu_mul(&mut s.gate, &s.up);
+        silu_mul_rows(&mut s.gate, &s.up, ff);
         laps.lap(Phase::SiluMul, 0);
         let n = project(
             &[&block.w_down],

@@ -500,13 +500,47 @@ impl QuantMatrix {
 /// An output pointer handed to pool threads that each write disjoint parts of it (kernels
 /// write their own rows, attention its own (row, head) slices).
 #[derive(Clone, Copy)]
-pub(crate) struct SendPtr(pub(crate) *mut f32);
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    pub(crate) fn get(self) -> *mut f32 {
+pub(crate) struct SendPtr<T = f32>(pub(crate) *mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
+
+    /// Elements `range` of the buffer this points into.
+    ///
+    /// # Safety
+    /// The range must lie in the buffer, and no one else may use it while the slice lives.
+    pub(crate) unsafe fn slice<'a>(self, range: std::ops::Range<usize>) -> &'a mut [T] {
+        // SAFETY: as the caller guarantees.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(range.start), range.len()) }
+    }
+}
+
+/// Rows a pass must have before its row-by-row work (norms, activation quantisation, rotary
+/// embedding, SiLU) is spread over the thread pool. Each such call takes a few microseconds
+/// at a few rows, about what a dispatch and the other threads' wake-up cost: at 8 rows on 2
+/// threads (`specd bench engine --profile --profile-rows 8`) the phases took as long spread
+/// as not, at 64 rows half as long (prompt chunks, large batches).
+pub(crate) const PARALLEL_ROWS: usize = 16;
+
+/// Runs `work` over rows `0..rows` in contiguous ranges, one per pool thread, when there
+/// are at least [`PARALLEL_ROWS`] rows and more than one thread; else on this thread. The
+/// ranges cover every row once, and each row's work is the same however they are split.
+pub(crate) fn for_row_ranges(rows: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
+    let pool = candle_core::utils::barrier_pool();
+    let threads = pool.n_workers() + 1;
+    if rows < PARALLEL_ROWS || threads < 2 {
+        work(0..rows);
+        return;
+    }
+    let parts = threads.min(rows);
+    pool.execute_chunked(parts, |items| {
+        for part in items {
+            work(part * rows / parts..(part + 1) * rows / parts);
+        }
+    });
 }
 
 /// Which implementation runs, chosen once from the CPU's features.
@@ -598,7 +632,8 @@ impl QuantizedRows {
     }
 
     /// As [`QuantizedRows::quantize`] with a given implementation (all give identical
-    /// results), and the lane kernels' interleaved copy if `lanes`.
+    /// results), and the lane kernels' interleaved copy if `lanes`. Rows are independent, so
+    /// a pass of several rows quantises them on every pool thread (see [`for_row_ranges`]).
     pub(crate) fn quantize_with(&mut self, kernel: Kernel, x: &[f32], m: usize, k: usize, lanes: bool) {
         assert!(
             k.is_multiple_of(BLOCK) && x.len() == m * k,
@@ -608,62 +643,111 @@ impl QuantizedRows {
         self.m = m;
         self.k = k;
         self.blocks = blocks;
-        self.scales.clear();
-        self.sums.clear();
-        self.offsets.clear();
-        self.quants.clear();
-        self.quants.resize(m * k, 0);
         self.lanes_ready = false;
-        #[cfg(target_arch = "x86_64")]
-        match kernel {
-            Kernel::Amx | Kernel::Avx512Vnni => {
-                let pairs = if lanes { m * blocks.div_ceil(2) } else { 0 };
-                self.lane_scales.clear();
-                self.lane_scales.resize(4 * pairs, 0.0);
-                self.lane_quants.clear();
-                self.lane_quants.resize(pairs * LANE_PAIR_BYTES, 0);
-                self.lane_offsets.clear();
-                self.lane_offsets.resize(4 * pairs, 0);
-                // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
-                unsafe {
-                    avx512::quantize(
-                        x,
-                        blocks,
-                        &mut self.quants,
-                        &mut self.scales,
-                        &mut self.sums,
-                        &mut self.offsets,
-                        &mut self.lane_quants,
-                        &mut self.lane_scales,
-                        &mut self.lane_offsets,
-                    )
-                };
-                self.lanes_ready = lanes;
-                return;
-            }
-            Kernel::Avx2 => {
-                // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
-                unsafe { avx2_groups::quantize(x, &mut self.quants, &mut self.scales, &mut self.sums) };
-                if lanes {
-                    self.interleave_lanes();
+        // The AVX-512 quantiser also writes the offset corrections and the lane copy.
+        let avx512 = cfg!(target_arch = "x86_64") && kernel.has_avx512();
+        let pairs = if avx512 && lanes { blocks.div_ceil(2) } else { 0 };
+        let offsets = if avx512 { blocks } else { 0 };
+        fn zeroed<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> SendPtr<T> {
+            buffer.clear();
+            buffer.resize(len, T::default());
+            SendPtr(buffer.as_mut_ptr())
+        }
+        let quants = zeroed(&mut self.quants, m * k);
+        let scales = zeroed(&mut self.scales, m * blocks);
+        let sums = zeroed(&mut self.sums, m * blocks);
+        let offsets_ptr = zeroed(&mut self.offsets, m * offsets);
+        let lane_quants = zeroed(&mut self.lane_quants, m * pairs * LANE_PAIR_BYTES);
+        let lane_scales = zeroed(&mut self.lane_scales, m * pairs * 4);
+        let lane_offsets = zeroed(&mut self.lane_offsets, m * pairs * 4);
+        for_row_ranges(m, |rows| {
+            let per_row = |width: usize| rows.start * width..rows.end * width;
+            // SAFETY: each range of rows is handed to one thread, and a row's entries lie in
+            // every buffer (sized above for m rows).
+            let out = unsafe {
+                RowsOut {
+                    quants: quants.slice(per_row(k)),
+                    scales: scales.slice(per_row(blocks)),
+                    sums: sums.slice(per_row(blocks)),
+                    offsets: offsets_ptr.slice(per_row(offsets)),
+                    lane_quants: lane_quants.slice(per_row(pairs * LANE_PAIR_BYTES)),
+                    lane_scales: lane_scales.slice(per_row(pairs * 4)),
+                    lane_offsets: lane_offsets.slice(per_row(pairs * 4)),
                 }
-                return;
+            };
+            quantize_rows(kernel, &x[per_row(k)], blocks, out);
+        });
+        #[cfg(target_arch = "x86_64")]
+        if lanes {
+            match kernel {
+                Kernel::Amx | Kernel::Avx512Vnni => self.lanes_ready = true,
+                Kernel::Avx2 => self.interleave_lanes(),
+                Kernel::Portable => {}
             }
-            Kernel::Portable => {}
         }
-        for (chunk, q) in x.chunks_exact(BLOCK).zip(self.quants.chunks_exact_mut(BLOCK)) {
-            let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (dst, v) in q.iter_mut().zip(chunk) {
-                let r = (v * inv).round_ties_even() as i32;
-                *dst = r as i8;
-                sum += r;
-            }
-            self.scales.push(f16::from_f32(d).to_f32());
-            self.sums.push(f16::from_f32(d * sum as f32).to_f32());
+    }
+}
+
+/// Where [`quantize_rows`] writes a range of rows: the buffers of [`QuantizedRows`], those
+/// rows' part of each.
+struct RowsOut<'a> {
+    quants: &'a mut [i8],
+    scales: &'a mut [f32],
+    sums: &'a mut [f32],
+    offsets: &'a mut [i32],
+    lane_quants: &'a mut [i8],
+    lane_scales: &'a mut [f32],
+    lane_offsets: &'a mut [i32],
+}
+
+/// Quantises whole rows `x` (`blocks` blocks each) with `kernel` into `out`.
+fn quantize_rows(kernel: Kernel, x: &[f32], blocks: usize, out: RowsOut<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    match kernel {
+        Kernel::Amx | Kernel::Avx512Vnni => {
+            // SAFETY: the CPU has the kernel's features (detected); buffers are sized and
+            // zeroed by the caller.
+            unsafe {
+                avx512::quantize(
+                    x,
+                    blocks,
+                    out.quants,
+                    out.scales,
+                    out.sums,
+                    out.offsets,
+                    out.lane_quants,
+                    out.lane_scales,
+                    out.lane_offsets,
+                )
+            };
+            return;
         }
+        Kernel::Avx2 => {
+            // SAFETY: the CPU has the kernel's features (detected); buffers are sized above.
+            unsafe { avx2_groups::quantize(x, out.quants, out.scales, out.sums) };
+            return;
+        }
+        Kernel::Portable => {}
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kernel, blocks);
+    for (((chunk, q), scale), scaled_sum) in x
+        .chunks_exact(BLOCK)
+        .zip(out.quants.chunks_exact_mut(BLOCK))
+        .zip(out.scales.iter_mut())
+        .zip(out.sums.iter_mut())
+    {
+        let amax = chunk.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (dst, v) in q.iter_mut().zip(chunk) {
+            let r = (v * inv).round_ties_even() as i32;
+            *dst = r as i8;
+            sum += r;
+        }
+        *scale = f16::from_f32(d).to_f32();
+        *scaled_sum = f16::from_f32(d * sum as f32).to_f32();
     }
 }
 

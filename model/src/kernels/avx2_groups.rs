@@ -135,12 +135,19 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
 /// multiply by its inverse, round half to even, f16 scale), eight lanes at a time.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C; `quants` must hold `x.len()` values.
+/// The CPU must have AVX2 and F16C; `quants` must hold `x.len()` values, `scales` and `sums`
+/// one per block.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize(x: &[f32], quants: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
+pub unsafe fn quantize(x: &[f32], quants: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
     assert!(x.len().is_multiple_of(BLOCK) && quants.len() == x.len());
+    assert!(scales.len() == x.len() / BLOCK && sums.len() == scales.len());
     let sign = _mm256_set1_ps(-0.0);
-    for (chunk, q) in x.chunks_exact(BLOCK).zip(quants.chunks_exact_mut(BLOCK)) {
+    for (((chunk, q), scale), scaled_sum) in x
+        .chunks_exact(BLOCK)
+        .zip(quants.chunks_exact_mut(BLOCK))
+        .zip(scales.iter_mut())
+        .zip(sums.iter_mut())
+    {
         // SAFETY: each chunk holds 32 floats and each q 32 bytes.
         unsafe {
             let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(chunk.as_ptr().add(8 * i)));
@@ -171,8 +178,8 @@ pub unsafe fn quantize(x: &[f32], quants: &mut [i8], scales: &mut Vec<f32>, sums
             let words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2], ints[3]), 0b11_01_10_00);
             let bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0b11_01_10_00);
             _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
-            scales.push(super::to_f32(super::to_f16(d)));
-            sums.push(super::to_f32(super::to_f16(d * sum as f32)));
+            *scale = super::to_f32(super::to_f16(d));
+            *scaled_sum = super::to_f32(super::to_f16(d * sum as f32));
         }
     }
 }

@@ -152,17 +152,14 @@ const GROUP: usize = 16;
 unsafe fn quantize_grouped(
     x: &[f32],
     quants: &mut [i8],
-    scales: &mut Vec<f32>,
-    sums: &mut Vec<f32>,
-    offsets: &mut Vec<i32>,
+    scales: &mut [f32],
+    sums: &mut [f32],
+    offsets: &mut [i32],
 ) {
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     let total = x.len() / BLOCK;
     assert!(quants.len() == x.len() && x.len().is_multiple_of(BLOCK));
-    let start = scales.len();
-    scales.resize(start + total, 0.0);
-    sums.resize(start + total, 0.0);
-    offsets.resize(start + total, 0);
+    assert!(scales.len() == total && sums.len() == total && offsets.len() == total);
     let mut g = 0;
     while g < total {
         let n = (total - g).min(GROUP);
@@ -207,17 +204,17 @@ unsafe fn quantize_grouped(
         let scale = to_f16_and_back(d);
         let scaled_sum = to_f16_and_back(_mm512_mul_ps(d, _mm512_cvtepi32_ps(block_sums)));
         let offset = _mm512_mullo_epi32(block_sums, _mm512_set1_epi32(-128));
-        // SAFETY: entries start + g .. start + g + n exist (resized above).
+        // SAFETY: entries g .. g + n exist (one per block, checked above).
         unsafe {
-            _mm512_mask_storeu_ps(scales.as_mut_ptr().add(start + g), lanes, scale);
-            _mm512_mask_storeu_ps(sums.as_mut_ptr().add(start + g), lanes, scaled_sum);
-            _mm512_mask_storeu_epi32(offsets.as_mut_ptr().add(start + g), lanes, offset);
+            _mm512_mask_storeu_ps(scales.as_mut_ptr().add(g), lanes, scale);
+            _mm512_mask_storeu_ps(sums.as_mut_ptr().add(g), lanes, scaled_sum);
+            _mm512_mask_storeu_epi32(offsets.as_mut_ptr().add(g), lanes, offset);
         }
         g += n;
     }
 }
 
-/// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and pushes each block's
+/// Quantises 32-value blocks of `x` (`blocks` per row) into `quants` and writes each block's
 /// scale, scaled sum and offset correction `−128 · Σq` (for 8-bit weights offset to unsigned
 /// in the tile kernels), with exactly the arithmetic of the portable version (max |x| / 127,
 /// multiply by its inverse, round half to even, f16 scale), sixteen lanes at a time. Unless
@@ -227,17 +224,18 @@ unsafe fn quantize_grouped(
 /// block.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F and BW; `quants` must hold `x.len()` values and the lane
-/// buffers none or `rows · pairs` entries (64 bytes, 4 floats and 4 integers each), zeroed.
+/// The CPU must have AVX-512 F and BW; `quants` must hold `x.len()` values, `scales`, `sums`
+/// and `offsets` one per block, and the lane buffers none or `rows · pairs` entries (64
+/// bytes, 4 floats and 4 integers each), zeroed.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn quantize(
     x: &[f32],
     blocks: usize,
     quants: &mut [i8],
-    scales: &mut Vec<f32>,
-    sums: &mut Vec<f32>,
-    offsets: &mut Vec<i32>,
+    scales: &mut [f32],
+    sums: &mut [f32],
+    offsets: &mut [i32],
     lane_quants: &mut [i8],
     lane_scales: &mut [f32],
     lane_offsets: &mut [i32],
@@ -253,14 +251,12 @@ pub unsafe fn quantize(
                 && lane_offsets.len() == rows * pairs * 4)
     );
     let total = x.len() / BLOCK;
+    assert!(scales.len() == total && sums.len() == total && offsets.len() == total);
     if !lanes {
         // SAFETY: as this function's.
         unsafe { quantize_grouped(x, quants, scales, sums, offsets) };
         return;
     }
-    scales.reserve(total);
-    sums.reserve(total);
-    offsets.reserve(total);
     for (g, (chunk, q)) in x
         .chunks_exact(BLOCK)
         .zip(quants.chunks_exact_mut(BLOCK))
@@ -290,9 +286,9 @@ pub unsafe fn quantize(
         let sum = half_sums[0] + half_sums[1];
         // SAFETY: the CPU has F16C (this function's features).
         let (d16, scaled_sum) = unsafe { (round_to_f16(d), round_to_f16(d * sum as f32)) };
-        scales.push(d16);
-        sums.push(scaled_sum);
-        offsets.push(-128 * sum);
+        scales[g] = d16;
+        sums[g] = scaled_sum;
+        offsets[g] = -128 * sum;
         if !lanes {
             continue;
         }

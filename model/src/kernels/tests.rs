@@ -417,3 +417,46 @@ fn quantising_for_the_matrices_at_hand_gives_the_same_products() {
         assert_eq!(out, packed.matmul(&x, m), "{format:?}");
     }
 }
+
+#[test]
+fn rows_quantised_together_equal_each_row_alone() {
+    // From PARALLEL_ROWS rows up, a pass's rows are quantised on every pool thread (two or
+    // more on a multi-core machine), each thread writing its own rows' part of every buffer.
+    // Widths of an even and an odd number of blocks (the lane copy's last pair half empty).
+    for k in [192, 96] {
+        for kernel in Kernel::available() {
+            for lanes in [false, true] {
+                for m in [1, 2, 5, PARALLEL_ROWS - 1, PARALLEL_ROWS, PARALLEL_ROWS + 3, 41] {
+                    let x = random(m * k, 90 + m as u64);
+                    let mut together = QuantizedRows::default();
+                    together.quantize_with(kernel, &x, m, k, lanes);
+                    let mut alone = QuantizedRows::default();
+                    let mut concatenated = QuantizedRows::default();
+                    for row in x.chunks_exact(k) {
+                        alone.quantize_with(kernel, row, 1, k, lanes);
+                        concatenated.quants.extend_from_slice(&alone.quants);
+                        concatenated.scales.extend_from_slice(&alone.scales);
+                        concatenated.sums.extend_from_slice(&alone.sums);
+                        concatenated.offsets.extend_from_slice(&alone.offsets);
+                        concatenated.lane_quants.extend_from_slice(&alone.lane_quants);
+                        concatenated.lane_scales.extend_from_slice(&alone.lane_scales);
+                        concatenated.lane_offsets.extend_from_slice(&alone.lane_offsets);
+                    }
+                    let case = format!("{kernel:?}, lanes {lanes}, {m} rows of {k}");
+                    assert_eq!(
+                        (together.m, together.lanes_ready),
+                        (m, alone.lanes_ready),
+                        "{case}"
+                    );
+                    assert_eq!(together.quants, concatenated.quants, "{case}");
+                    assert_eq!(together.scales, concatenated.scales, "{case}");
+                    assert_eq!(together.sums, concatenated.sums, "{case}");
+                    assert_eq!(together.offsets, concatenated.offsets, "{case}");
+                    assert_eq!(together.lane_quants, concatenated.lane_quants, "{case}");
+                    assert_eq!(together.lane_scales, concatenated.lane_scales, "{case}");
+                    assert_eq!(together.lane_offsets, concatenated.lane_offsets, "{case}");
+                }
+            }
+        }
+    }
+}
