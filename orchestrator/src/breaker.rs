@@ -6,7 +6,13 @@
 //!
 //! Only failures that say something about the service's health count: Unavailable,
 //! DeadlineExceeded, Unknown, Internal, DataLoss. An overloaded service (ResourceExhausted)
-//! or a bad request is alive and answering, so it does not trip the breaker.
+//! or a bad request is alive and answering, so it does not trip the breaker. Nor does a
+//! call that ran out of time while the service kept answering other calls (one succeeded
+//! in the second half of its wait): it waited in a busy service's queue. Counted, such
+//! deadlines opened the breaker of a saturated but healthy verifier, and every session on
+//! it failed (`specd bench load --concurrency 64 --verifiers 1 --call-deadline-ms 3000`:
+//! all 64 sessions, mostly with Unavailable). A hung service answers no one, so its
+//! deadlines still count.
 
 use std::fmt;
 use std::future::Future;
@@ -68,6 +74,8 @@ struct Inner {
     opened_at: Instant,
     probe_in_flight: bool,
     transitions: u64,
+    /// When a call last succeeded: the service's latest sign of life.
+    last_success: Option<Instant>,
 }
 
 /// A breaker's shared state; clones share it.
@@ -98,6 +106,7 @@ impl Breaker {
                 opened_at: Instant::now(),
                 probe_in_flight: false,
                 transitions: 0,
+                last_success: None,
             })),
         }
     }
@@ -164,6 +173,7 @@ impl Breaker {
             inner.probe_in_flight = false;
         }
         if success {
+            inner.last_success = Some(Instant::now());
             inner.consecutive_failures = 0;
             if inner.state != BreakerState::Closed && (probe || inner.state == BreakerState::HalfOpen) {
                 self.transition(&mut inner, BreakerState::Closed);
@@ -180,6 +190,13 @@ impl Breaker {
             inner.opened_at = Instant::now();
             self.transition(&mut inner, BreakerState::Open);
         }
+    }
+
+    /// Whether a call succeeded in the second half of a wait that started at `started`: the
+    /// service was answering others while this call waited (see the module documentation).
+    fn answered_others_since(&self, started: Instant) -> bool {
+        let midpoint = started + started.elapsed() / 2;
+        self.lock().last_success.is_some_and(|at| at > midpoint)
     }
 
     fn transition(&self, inner: &mut Inner, to: BreakerState) {
@@ -282,12 +299,17 @@ where
             Err(status) => return Box::pin(std::future::ready(Err(status))),
         };
         let call = self.inner.call(request);
+        let breaker = self.breaker.clone();
+        let started = Instant::now();
         Box::pin(async move {
             let result = call.await;
-            permit.record(match &result {
-                Ok(_) => true,
-                Err(status) => !is_health_failure(status),
-            });
+            match &result {
+                Ok(_) => permit.record(true),
+                // Queued behind other calls of a live service: no verdict on its health.
+                Err(status)
+                    if status.code() == Code::DeadlineExceeded && breaker.answered_others_since(started) => {}
+                Err(status) => permit.record(!is_health_failure(status)),
+            }
             result
         })
     }
@@ -383,6 +405,45 @@ mod tests {
         assert_eq!(breaker.state(), BreakerState::HalfOpen);
         breaker.try_acquire().expect("probe again").record(true);
         assert_eq!(breaker.state(), BreakerState::Closed);
+    }
+
+    /// A service whose calls take `delay` and then give `outcome`.
+    fn slow()
+    -> impl tower::Service<(Duration, Result<u32, Code>), Response = u32, Error = Status, Future: Send> + Clone
+    {
+        tower::service_fn(|(delay, outcome): (Duration, Result<u32, Code>)| async move {
+            tokio::time::sleep(delay).await;
+            outcome.map_err(|c| Status::new(c, "failed"))
+        })
+    }
+
+    /// Calls `outcome` five times at once, each taking 3 s, while one call succeeds after
+    /// `answer_after`; returns the breaker's state once all are done.
+    async fn five_slow_failures_and_one_answer(outcome: Code, answer_after: Duration) -> BreakerState {
+        let breaker = Breaker::new("test", config());
+        let service = CircuitBreakerLayer::new(breaker.clone()).layer(slow());
+        let failing: Vec<_> = (0..5)
+            .map(|_| tokio::spawn(service.clone().oneshot((Duration::from_secs(3), Err(outcome)))))
+            .collect();
+        assert_eq!(service.clone().oneshot((answer_after, Ok(1))).await.unwrap(), 1);
+        for call in failing {
+            assert_eq!(call.await.unwrap().unwrap_err().code(), outcome);
+        }
+        breaker.state()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadlines_in_a_busy_services_queue_do_not_trip_but_a_silent_services_do() {
+        // Busy: another call succeeded in the second half of their wait.
+        let busy = five_slow_failures_and_one_answer(Code::DeadlineExceeded, Duration::from_secs(2)).await;
+        assert_eq!(busy, BreakerState::Closed);
+        // Silent for the second half of their wait (an answer early on is no sign of life).
+        let fell_silent =
+            five_slow_failures_and_one_answer(Code::DeadlineExceeded, Duration::from_secs(1)).await;
+        assert_eq!(fell_silent, BreakerState::Open);
+        // Other health failures count whatever else the service answered.
+        let unavailable = five_slow_failures_and_one_answer(Code::Unavailable, Duration::from_secs(2)).await;
+        assert_eq!(unavailable, BreakerState::Open);
     }
 
     #[tokio::test(start_paused = true)]
