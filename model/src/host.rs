@@ -15,7 +15,7 @@ use candle_core::Tensor;
 
 use crate::attention::{AttentionShape, SequenceAttention, attend};
 use crate::error::Result;
-use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
+use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_chunks, for_row_ranges};
 use crate::llama::{Linear, Llama, SequenceStep};
 
 /// Buffers of one forward pass, reused from pass to pass.
@@ -159,12 +159,9 @@ impl Laps {
 /// rows spread over the thread pool (see [`for_row_ranges`]).
 fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
-    assert!(x.len() == out.len() && x.len().is_multiple_of(dim));
-    let out = SendPtr(out.as_mut_ptr());
-    for_row_ranges(x.len() / dim, |rows| {
-        let values = rows.start * dim..rows.end * dim;
-        // SAFETY: each range of rows goes to one thread; it lies in `out` (checked above).
-        rms_norm_rows(&x[values.clone()], weight, eps, unsafe { out.slice(values) });
+    assert_eq!(x.len(), out.len());
+    for_row_chunks(out, dim, |rows, out| {
+        rms_norm_rows(&x[rows.start * dim..rows.end * dim], weight, eps, out);
     });
 }
 
@@ -195,12 +192,9 @@ fn rotate(row: &mut [f32], head_dim: usize, rope_dim: usize, cos: &[f32], sin: &
 /// `gate = silu(gate) · up` over rows of `width` values, the rows spread over the thread
 /// pool (see [`for_row_ranges`]).
 fn silu_mul_rows(gate: &mut [f32], up: &[f32], width: usize) {
-    assert!(gate.len() == up.len() && gate.len().is_multiple_of(width));
-    let gate_ptr = SendPtr(gate.as_mut_ptr());
-    for_row_ranges(gate.len() / width, |rows| {
-        let values = rows.start * width..rows.end * width;
-        // SAFETY: each range of rows goes to one thread; it lies in `gate` (checked above).
-        silu_mul(unsafe { gate_ptr.slice(values.clone()) }, &up[values]);
+    assert_eq!(gate.len(), up.len());
+    for_row_chunks(gate, width, |rows, gate| {
+        silu_mul(gate, &up[rows.start * width..rows.end * width]);
     });
 }
 

@@ -500,8 +500,14 @@ impl QuantMatrix {
 
 /// An output pointer handed to pool threads that each write disjoint parts of it (kernels
 /// write their own rows, attention its own (row, head) slices).
-#[derive(Clone, Copy)]
 pub(crate) struct SendPtr<T = f32>(pub(crate) *mut T);
+// Copied as a pointer whatever `T` is (a derive would ask `T: Copy`).
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 impl<T> SendPtr<T> {
@@ -541,6 +547,26 @@ pub(crate) fn for_row_ranges(rows: usize, work: impl Fn(std::ops::Range<usize>) 
         for part in items {
             work(part * rows / parts..(part + 1) * rows / parts);
         }
+    });
+}
+
+/// [`for_row_ranges`] over `out`, a buffer of rows of `width` values: `work` gets each range
+/// of rows with those rows of `out`, and every row goes to exactly one call.
+pub(crate) fn for_row_chunks<T: Send>(
+    out: &mut [T],
+    width: usize,
+    work: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
+) {
+    assert!(
+        width > 0 && out.len().is_multiple_of(width),
+        "rows of `width` values"
+    );
+    let ptr = SendPtr(out.as_mut_ptr());
+    for_row_ranges(out.len() / width, |rows| {
+        let values = rows.start * width..rows.end * width;
+        // SAFETY: the ranges of rows are disjoint and each goes to one call; they lie in
+        // `out` (checked above), which stays borrowed until every call has returned.
+        work(rows, unsafe { ptr.slice(values) });
     });
 }
 

@@ -268,8 +268,8 @@ struct PassCurve {
 impl PassCurve {
     /// Seconds of an `n`-token pass: measured where it was; between measured sizes a
     /// straight line; beyond the largest the slope from a much smaller size
-    /// ([`PassCurve::baseline`]); never less than a
-    /// smaller pass's (a noisy sample must not make more tokens look cheaper).
+    /// ([`PassCurve::baseline`]); never less than a smaller pass's (a noisy sample must not
+    /// make more tokens look cheaper).
     fn seconds(&self, n: usize) -> f64 {
         // Estimates are straight lines between measured sizes and rise outside them, so
         // the largest over sizes 1..=n is at n or at a measured size below it.
