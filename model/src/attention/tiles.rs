@@ -400,7 +400,12 @@ unsafe fn item_attend(
         macro_rules! scores {
             ($r:literal) => {
                 // SAFETY: as this function's.
-                unsafe { score_rows::<$r>(seq, kv, nkv, hd, first, chunk, from, span, scratch) }
+                unsafe {
+                    match hd {
+                        64 => score_rows::<$r, 64>(seq, kv, nkv, first, chunk, from, span, scratch),
+                        _ => score_rows::<$r, 128>(seq, kv, nkv, first, chunk, from, span, scratch),
+                    }
+                }
             };
         }
         match chunk.len() {
@@ -464,42 +469,43 @@ unsafe fn item_attend(
 }
 
 /// Scores of `R` rows (scratch rows `from..from + R`) against every tile of the block (from
-/// position `first`) they see, masked to −∞ past each row's visible positions.
+/// position `first`) they see, masked to −∞ past each row's visible positions; heads of
+/// `HD` floats (a constant, so the loops over a tile's rows unroll).
 ///
 /// # Safety
 /// As [`attend`].
 #[target_feature(enable = "avx512f,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn score_rows<const R: usize>(
+unsafe fn score_rows<const R: usize, const HD: usize>(
     seq: &SequenceAttention<'_>,
     kv: usize,
     nkv: usize,
-    hd: usize,
     first: usize,
     chunk: &[Row],
     from: usize,
     span: usize,
     scratch: &mut Scratch,
 ) {
-    assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * hd && first.is_multiple_of(KEY_TILE));
-    let tile_floats = KEY_TILE * nkv * hd;
+    assert!(chunk.len() == R && scratch.queries.len() >= (from + R) * HD && first.is_multiple_of(KEY_TILE));
+    let tile_floats = KEY_TILE * nkv * HD;
     let tiles = Scratch::seen_by_any(chunk, first).div_ceil(KEY_TILE);
     let first_tile = first / KEY_TILE;
-    let queries = &scratch.queries[from * hd..(from + R) * hd];
+    let queries = &scratch.queries[from * HD..(from + R) * HD];
     for t in 0..tiles {
-        let tile = &seq.keys[(first_tile + t) * tile_floats + kv * hd * KEY_TILE..][..hd * KEY_TILE];
-        let ahead = Ahead::new(seq, kv, nkv, hd, first_tile + t);
+        let tile = &seq.keys[(first_tile + t) * tile_floats + kv * HD * KEY_TILE..][..HD * KEY_TILE];
+        let ahead = Ahead::new(seq, kv, nkv, HD, first_tile + t);
         let mut acc = [[_mm512_setzero_ps(); SCORE_CHAINS]; R];
-        for d in (0..hd).step_by(SCORE_CHAINS) {
+        for d in (0..HD).step_by(SCORE_CHAINS) {
             for a in 0..SCORE_CHAINS {
                 let step = d + a;
                 if from == 0 {
                     ahead.ask(step);
                 }
-                // SAFETY: the tile holds hd rows of 16 values (hd a multiple of 4).
+                // SAFETY: the tile holds HD rows of 16 values (HD a multiple of 4).
                 let keys = unsafe { load16(tile.as_ptr().add(step * KEY_TILE)) };
                 for c in 0..R {
-                    let q = _mm512_set1_ps(queries[c * hd + d + a]);
+                    // SAFETY: c < R and step < HD, inside the R × HD queries (sliced above).
+                    let q = _mm512_set1_ps(unsafe { *queries.get_unchecked(c * HD + step) });
                     acc[c][a] = _mm512_fmadd_ps(q, keys, acc[c][a]);
                 }
             }
