@@ -15,8 +15,12 @@ use candle_core::Tensor;
 
 use crate::attention::{AttentionShape, SequenceAttention, attend};
 use crate::error::Result;
-use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_chunks, for_row_ranges};
+use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
 use crate::llama::{Linear, Llama, SequenceStep};
+
+mod elementwise;
+
+use elementwise::{rms_norm, rotate, silu_mul_rows};
 
 /// Buffers of one forward pass, reused from pass to pass.
 #[derive(Default)]
@@ -153,86 +157,6 @@ impl Laps {
             p.total_seconds += self.start.elapsed().as_secs_f64();
         }
     }
-}
-
-/// `out = x · w / rms(x)` per row of `dim` values (candle's and llama.cpp's RMS norm), the
-/// rows spread over the thread pool (see [`for_row_ranges`]).
-fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let dim = weight.len();
-    assert_eq!(x.len(), out.len());
-    for_row_chunks(out, dim, |rows, out| {
-        rms_norm_rows(&x[rows.start * dim..rows.end * dim], weight, eps, out);
-    });
-}
-
-/// [`rms_norm`] on this thread.
-fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let dim = weight.len();
-    for (row, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mean = crate::attention::dot(row, row) / dim as f32;
-        let inv = 1.0 / (mean + eps).sqrt();
-        for ((d, &v), &w) in dst.iter_mut().zip(row).zip(weight) {
-            *d = v * inv * w;
-        }
-    }
-}
-
-/// Interleaved rotary embedding in place on each head of one row at `position`: pairs
-/// `(x[2i], x[2i+1])` of the first `rope_dim` values rotate by `position · θ_i`.
-fn rotate(row: &mut [f32], head_dim: usize, rope_dim: usize, cos: &[f32], sin: &[f32]) {
-    for head in row.chunks_exact_mut(head_dim) {
-        for i in 0..rope_dim / 2 {
-            let (a, b) = (head[2 * i], head[2 * i + 1]);
-            head[2 * i] = a * cos[i] - b * sin[i];
-            head[2 * i + 1] = a * sin[i] + b * cos[i];
-        }
-    }
-}
-
-/// `gate = silu(gate) · up` over rows of `width` values, the rows spread over the thread
-/// pool (see [`for_row_ranges`]).
-fn silu_mul_rows(gate: &mut [f32], up: &[f32], width: usize) {
-    assert_eq!(gate.len(), up.len());
-    for_row_chunks(gate, width, |rows, gate| {
-        silu_mul(gate, &up[rows.start * width..rows.end * width]);
-    });
-}
-
-/// `gate = silu(gate) · up`, with the attention's `exp` (16 lanes at a time with AVX-512: the
-/// same polynomial and operations, so the same results).
-fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len());
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if crate::kernels::Kernel::detect().has_avx512() {
-        // SAFETY: the CPU has AVX-512 F and FMA (detected); lengths are equal (checked).
-        done = unsafe { silu_mul_avx512(gate, up) };
-    }
-    for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
-        *g = *g / (1.0 + crate::attention::exp(-*g)) * u;
-    }
-}
-
-/// [`silu_mul`] on the multiples of 16 values; returns how many it did.
-///
-/// # Safety
-/// The CPU must have AVX-512 F and FMA; `up` must be as long as `gate`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) -> usize {
-    use std::arch::x86_64::*;
-    let whole = gate.len() / 16 * 16;
-    for at in (0..whole).step_by(16) {
-        // SAFETY: 16 values at `at` in both (lengths checked by the caller).
-        unsafe {
-            let g = _mm512_loadu_ps(gate.as_ptr().add(at));
-            let e = crate::attention::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            let silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0), e));
-            let product = _mm512_mul_ps(silu, _mm512_loadu_ps(up.as_ptr().add(at)));
-            _mm512_storeu_ps(gate.as_mut_ptr().add(at), product);
-        }
-    }
-    whole
 }
 
 /// Products of the same activations with several linears into `outs`. Packed matrices share
@@ -477,24 +401,4 @@ pub fn pool_dispatch_seconds() -> f64 {
         .collect();
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn silu_mul_gives_the_scalar_formula_bit_for_bit() {
-        // 16-lane chunks and a tail, over the range where exp saturates both ways.
-        let gate: Vec<f32> = (0..83).map(|i| (i as f32 - 41.0) * 2.3).collect();
-        let up: Vec<f32> = (0..83).map(|i| 0.5 + i as f32 * 0.01).collect();
-        let mut got = gate.clone();
-        super::silu_mul(&mut got, &up);
-        for (i, ((&g, &u), &v)) in gate.iter().zip(&up).zip(&got).enumerate() {
-            let want = g / (1.0 + crate::attention::exp(-g)) * u;
-            assert_eq!(
-                v.to_bits(),
-                want.to_bits(),
-                "[{i}] silu({g}) · {u}: {v} vs {want}"
-            );
-        }
-    }
 }
