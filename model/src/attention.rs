@@ -188,7 +188,13 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     for i in chunks * 8..a.len() {
         tail += a[i] * b[i];
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    sum_lanes(&acc, tail)
+}
+
+/// [`dot`]'s eight lane sums and its tail, added in its fixed order (vector code that keeps
+/// the same lanes calls this to give the same result).
+pub(crate) fn sum_lanes(lanes: &[f32; 8], tail: f32) -> f32 {
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail
 }
 
 #[cfg(test)]

@@ -62,9 +62,7 @@ unsafe fn rms_norm_row_avx(row: &[f32], weight: &[f32], eps: f32, dst: &mut [f32
     // SAFETY: eight floats.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
     let tail: f32 = row[whole..].iter().fold(0.0, |t, &v| t + v * v);
-    let sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-        + tail;
+    let sum = crate::attention::sum_lanes(&lanes, tail);
     let inv = 1.0 / (sum / row.len() as f32 + eps).sqrt();
     let inv8 = _mm256_set1_ps(inv);
     for at in (0..whole).step_by(8) {
