@@ -18,6 +18,7 @@ pub mod error;
 pub mod generate;
 pub mod observe;
 pub mod pool;
+mod prefetch;
 pub mod request;
 pub mod service;
 pub mod session;
