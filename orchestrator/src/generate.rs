@@ -2,9 +2,7 @@
 //! speculation is off or the drafter fails: speculation is never a dependency), choose how
 //! many to verify (adaptive K), score context + draft in one verifier pass, accept locally
 //! (greedy or exact rejection sampling), then emit the accepted tokens with eos, stop-string
-//! and length checks. Beside the verifier call, the next step's prompt-lookup drafts may be
-//! asked for already ([`crate::prefetch`]; the draft half is in [`draft`]). The session's
-//! context changes only when a request succeeds.
+//! and length checks. The session's context changes only when a request succeeds.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,16 +16,14 @@ use specd_common::convert::{distribution_from_proto, sampling_to_proto};
 use specd_model::{Sampler, SparseDist, TextModel};
 use specd_proto::v1 as pb;
 
-mod draft;
-
 use crate::acceptance::{accept_greedy, accept_sampled};
+use crate::adaptive::bucket;
 use crate::backend::{DrafterBackend, VerifierBackend};
 use crate::costs::{CostModel, VerifyCall};
 use crate::error::OrchestratorError;
 use crate::observe;
 use crate::pool::VerifierPool;
-use crate::prefetch::Prefetch;
-use crate::request::{GenerationParams, Input, Limits, validate};
+use crate::request::{Drafter, GenerationParams, Input, Limits, validate};
 use crate::session::{Session, SessionStore};
 use crate::setup::GeneratorSettings;
 use crate::stop::StopMatcher;
@@ -47,7 +43,6 @@ pub struct Generator {
     /// Requests served at once; when none is free, new ones are refused at once.
     admission: Arc<Semaphore>,
     max_concurrent_requests: usize,
-    prefetch_drafts: bool,
 }
 
 /// Running totals of one request.
@@ -58,7 +53,6 @@ struct Totals {
     verifier_calls: u32,
     drafter_calls: u32,
     drafted_steps: u32,
-    prefetched_steps: u32,
     bytes_sent: u64,
     bytes_received: u64,
     draft_seconds: f64,
@@ -88,7 +82,6 @@ impl Generator {
             limits: settings.limits,
             admission: Arc::new(Semaphore::new(max_concurrent_requests)),
             max_concurrent_requests,
-            prefetch_drafts: settings.prefetch_drafts,
         }
     }
 
@@ -239,10 +232,6 @@ impl Generator {
         // Time and tokens of the first step (prompt processing), excluded from decode speed.
         let mut first_step: Option<(f64, usize)> = None;
         let mut step = 0u32;
-        // The next step's proposal, asked for beside this step's verifier call, and whether
-        // the last pass was this session's alone (see [`crate::prefetch`]).
-        let mut prefetch: Option<Prefetch> = None;
-        let mut verifier_alone = true;
         'steps: while generated.len() < max_tokens {
             step += 1;
             let remaining = max_tokens - generated.len();
@@ -257,17 +246,6 @@ impl Generator {
             let draft_span =
                 tracing::info_span!(parent: &step_span, "draft", drafter = ?params.drafter, proposed = Empty);
             let draft_started = Instant::now();
-            let prefetched = match prefetch.take() {
-                Some(prefetch) => {
-                    let taken = prefetch.take(&context).await;
-                    if let Some((seconds, bytes)) = taken.finished {
-                        totals.draft_seconds += seconds;
-                        totals.bytes_received += bytes;
-                    }
-                    taken.proposal
-                }
-                None => None,
-            };
             let (draft, q, bucket) = self
                 .draft(
                     session,
@@ -276,7 +254,6 @@ impl Generator {
                     remaining - 1,
                     &mut sampler,
                     &mut totals,
-                    prefetched,
                 )
                 .instrument(draft_span.clone())
                 .await;
@@ -297,19 +274,6 @@ impl Generator {
             };
             let bytes_sent = request.encoded_len() as u64;
             totals.bytes_sent += bytes_sent;
-            if let Some(started) = self.start_prefetch(
-                session,
-                &context,
-                &draft,
-                params,
-                remaining,
-                verifier_alone,
-                &step_span,
-            ) {
-                totals.drafter_calls += 1;
-                totals.bytes_sent += started.bytes_sent;
-                prefetch = Some(started);
-            }
             let verify_span = tracing::info_span!(
                 parent: &step_span,
                 "verify",
@@ -331,7 +295,6 @@ impl Generator {
             totals.retries += verified.attempts - 1;
             totals.failovers += verified.failovers;
             let response = verified.response;
-            verifier_alone = response.batch_size <= 1;
             let bytes_received = response.encoded_len() as u64;
             verify_span.record("bytes_received", bytes_received);
             verify_span.record("replica", verified.replica.as_str());
@@ -456,7 +419,6 @@ impl Generator {
             accepted: totals.accepted,
             verifier_calls: totals.verifier_calls,
             drafter_calls: totals.drafter_calls,
-            prefetched_steps: totals.prefetched_steps,
             mean_accepted_length: generated.len() as f64 / f64::from(totals.verifier_calls.max(1)),
             acceptance_rate: if totals.proposed == 0 {
                 0.0
@@ -494,6 +456,103 @@ impl Generator {
             stats: Some(stats),
         };
         Ok((context, response))
+    }
+
+    /// Up to `cap` draft tokens, their q distributions and their acceptance group; empty when
+    /// speculation is off, does not pay, or the drafter fails.
+    async fn draft(
+        &self,
+        session: &mut Session,
+        context: &[u32],
+        params: &GenerationParams,
+        cap: usize,
+        sampler: &mut Sampler,
+        totals: &mut Totals,
+    ) -> (Vec<u32>, Vec<SparseDist>, usize) {
+        let cap = cap.min(params.max_k);
+        let Some(drafter) = self.drafter.as_ref().filter(|_| params.speculate && cap > 0) else {
+            session.policy.skip(&self.costs);
+            return (vec![], vec![], 0);
+        };
+        // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
+        // nearly free, so it proposes the most and K is chosen from what it found.
+        let per_token = params.drafter == Drafter::Lm;
+        // No proposal could pay (a busy verifier, a session whose drafts fail): the drafter
+        // is not asked, which spares its round trip and both processes' CPU.
+        if !per_token && !params.fixed_k && !session.policy.worth_drafting(cap, &self.costs) {
+            session.policy.skip(&self.costs);
+            return (vec![], vec![], 0);
+        }
+        let ask = if per_token && !params.fixed_k {
+            session.policy.choose(cap, 0, &self.costs)
+        } else {
+            cap
+        };
+        if ask == 0 {
+            return (vec![], vec![], 0);
+        }
+        let request = pb::ProposeRequest {
+            session_id: session.id.clone(),
+            context: context.to_vec(),
+            max_tokens: ask as u32,
+            kind: match params.drafter {
+                Drafter::Ngram => pb::DrafterKind::Ngram,
+                Drafter::Lm => pb::DrafterKind::Lm,
+            } as i32,
+            sampling: Some(sampling_to_proto(&params.sampling)),
+            seed: (sampler.uniform() * u64::MAX as f64) as u64,
+        };
+        totals.bytes_sent += request.encoded_len() as u64;
+        let started = Instant::now();
+        let result = drafter.propose(request).await;
+        let seconds = started.elapsed().as_secs_f64();
+        totals.draft_seconds += seconds;
+        totals.drafter_calls += 1;
+        let response = match result {
+            Ok(r) => r,
+            Err(status) => {
+                // Logged once per breaker transition (warn) rather than once per step.
+                tracing::debug!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
+                return (vec![], vec![], 0);
+            }
+        };
+        totals.bytes_received += response.encoded_len() as u64;
+        self.costs.record_draft(response.tokens.len(), seconds, per_token);
+        let vocab = self.text.config.vocab_size;
+        let qs: Result<Vec<SparseDist>, String> = response
+            .q
+            .iter()
+            .map(|d| distribution_from_proto(d, vocab))
+            .collect();
+        let valid = response.tokens.len() <= ask
+            && response.q.len() == response.tokens.len()
+            && response.tokens.iter().all(|&t| (t as usize) < vocab);
+        let qs = match (valid, qs) {
+            (true, Ok(qs)) => qs,
+            _ => {
+                tracing::warn!("drafter sent an inconsistent proposal; decoding this step without drafts");
+                return (vec![], vec![], 0);
+            }
+        };
+        let k = if params.fixed_k || per_token {
+            response.tokens.len()
+        } else {
+            let k = session.policy.choose(
+                response.tokens.len(),
+                bucket(response.match_length as usize),
+                &self.costs,
+            );
+            session.policy.record_ask(k > 0);
+            k
+        };
+        if k > 0 {
+            totals.drafted_steps += 1;
+        }
+        (
+            response.tokens[..k].to_vec(),
+            qs[..k].to_vec(),
+            bucket(response.match_length as usize),
+        )
     }
 }
 

@@ -18,7 +18,6 @@ pub mod error;
 pub mod generate;
 pub mod observe;
 pub mod pool;
-mod prefetch;
 pub mod request;
 pub mod service;
 pub mod session;

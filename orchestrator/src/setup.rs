@@ -24,9 +24,6 @@ pub struct GeneratorSettings {
     pub ngram: NgramConfig,
     /// Most requests served at once; more are refused with ResourceExhausted.
     pub max_concurrent_requests: usize,
-    /// Ask for the next step's prompt-lookup proposal beside each verifier call (see
-    /// [`crate::prefetch`]).
-    pub prefetch_drafts: bool,
 }
 
 impl Default for GeneratorSettings {
@@ -37,7 +34,6 @@ impl Default for GeneratorSettings {
             max_sessions: 1024,
             ngram: NgramConfig::default(),
             max_concurrent_requests: 256,
-            prefetch_drafts: true,
         }
     }
 }

@@ -1,9 +1,7 @@
 //! Greedy speculative decoding through the full stack — drafter, verifier and orchestrator as
 //! three real processes on loopback, real SmolLM2 — produces exactly the tokens of plain
 //! decoding, for every prompt, K in {1, 4, 8} and both drafters, and with prompt lookup
-//! answered by the orchestrator (`--ngram-in-process`) while the drafter process is down;
-//! steps whose prompt-lookup drafts were asked for during the step before (prefetched) are
-//! among those checked.
+//! answered by the orchestrator (`--ngram-in-process`) while the drafter process is down.
 //! Also: streaming delivers the same text as the unary call, and sessions continue.
 
 use specd_e2e::{Stack, StackOptions, binaries};
@@ -45,7 +43,7 @@ async fn generate_plainly(client: &mut OrchestratorClient<Channel>, prompt: &str
 async fn greedy_speculation_is_token_identical_to_plain_decoding() {
     let stack = Stack::start(binaries!(), &[]).await;
     let mut client = stack.client().await;
-    let (mut checked, mut prefetched) = (0, 0);
+    let mut checked = 0;
     for prompt in PROMPTS {
         let plain = generate_plainly(&mut client, prompt).await;
         assert!(!plain.token_ids.is_empty());
@@ -74,17 +72,12 @@ async fn greedy_speculation_is_token_identical_to_plain_decoding() {
                 if drafter == pb::DrafterKind::Lm {
                     // The LM drafter always proposes, so speculation really ran.
                     assert!(stats.proposed > 0, "no drafts for {prompt:?} K {k}");
-                    assert_eq!(stats.prefetched_steps, 0, "LM drafts are never prefetched");
                 }
-                prefetched += stats.prefetched_steps;
                 checked += 1;
             }
         }
     }
     assert_eq!(checked, PROMPTS.len() * 6);
-    // The fox sentence repeats: its lookups keep every draft, and the next step's drafts
-    // arrive with the verifier's answer.
-    assert!(prefetched > 0, "no step used prefetched drafts");
 }
 
 #[tokio::test(flavor = "multi_thread")]

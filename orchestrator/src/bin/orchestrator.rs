@@ -90,11 +90,6 @@ struct Config {
     /// --drafter.
     #[arg(long, env = "SPECD_NGRAM_IN_PROCESS")]
     ngram_in_process: bool,
-    /// Do not ask for the next step's prompt-lookup drafts while the verifier scores a step
-    /// (by default asked when the session's last verifier pass was its alone, and used when
-    /// every draft was kept: no drafter round trip on that step's path).
-    #[arg(long, env = "SPECD_NO_PREFETCH_DRAFTS")]
-    no_prefetch_drafts: bool,
     /// Prompt lookup's settings when --ngram-in-process answers it here.
     #[command(flatten)]
     ngram: specd_drafter::NgramArgs,
@@ -165,7 +160,6 @@ async fn run(config: Config) -> anyhow::Result<()> {
         max_sessions: config.max_sessions,
         max_concurrent_requests: config.max_concurrent_requests,
         ngram: config.ngram.config(),
-        prefetch_drafts: !config.no_prefetch_drafts,
     };
     let mut urls = config.verifier.clone();
     if urls.is_empty() && config.verifier_dns.is_empty() {

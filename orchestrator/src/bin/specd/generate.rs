@@ -54,10 +54,6 @@ pub struct GenerateArgs {
     /// Prompt lookup's settings when running all-in-one.
     #[command(flatten)]
     ngram: specd_drafter::NgramArgs,
-    /// All-in-one: do not ask for the next step's prompt-lookup drafts while the verifier
-    /// scores a step (see the orchestrator's flag of the same name).
-    #[arg(long, env = "SPECD_NO_PREFETCH_DRAFTS")]
-    no_prefetch_drafts: bool,
     /// Continue this session (its id is printed in the summary and the JSON).
     #[arg(long)]
     session: Option<String>,
@@ -145,7 +141,6 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 .context("cannot load the model")?;
             let settings = GeneratorSettings {
                 ngram: args.ngram.config(),
-                prefetch_drafts: !args.no_prefetch_drafts,
                 ..GeneratorSettings::default()
             };
             let generator = in_process(loaded, settings);
@@ -239,7 +234,6 @@ fn response_json(r: &pb::GenerateResponse) -> serde_json::Value {
             "acceptance_rate": s.acceptance_rate,
             "verifier_calls": s.verifier_calls,
             "drafter_calls": s.drafter_calls,
-            "prefetched_steps": s.prefetched_steps,
             "mean_accepted_length": s.mean_accepted_length,
             "mean_k": s.mean_k,
             "bytes_sent": s.bytes_sent,
