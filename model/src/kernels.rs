@@ -411,20 +411,19 @@ impl QuantMatrix {
                 "the AVX2 lane kernel takes 4-bit weights"
             );
             let group = j0 / COL_TILE;
-            let mut t = 0;
-            while t < count {
-                let rows = (count - t).min(avx2_lanes::MAX_ROWS);
-                // SAFETY: lane-layout weights exist only when the CPU has AVX2, FMA and F16C
-                // (see `from_qtensor_for`); the kernel checks every bound it uses.
-                unsafe {
-                    match rows {
-                        4 => avx2_lanes::q4_lanes::<4>(self, group, x, r0 + t, t, out),
-                        3 => avx2_lanes::q4_lanes::<3>(self, group, x, r0 + t, t, out),
-                        2 => avx2_lanes::q4_lanes::<2>(self, group, x, r0 + t, t, out),
-                        _ => avx2_lanes::q4_lanes::<1>(self, group, x, r0 + t, t, out),
-                    }
+            // SAFETY: lane-layout weights exist only when the CPU has AVX2, FMA and F16C
+            // (see `from_qtensor_for`); the kernel checks every bound it uses.
+            unsafe {
+                match count {
+                    8 => avx2_lanes::q4_lanes::<8>(self, group, x, r0, out),
+                    7 => avx2_lanes::q4_lanes::<7>(self, group, x, r0, out),
+                    6 => avx2_lanes::q4_lanes::<6>(self, group, x, r0, out),
+                    5 => avx2_lanes::q4_lanes::<5>(self, group, x, r0, out),
+                    4 => avx2_lanes::q4_lanes::<4>(self, group, x, r0, out),
+                    3 => avx2_lanes::q4_lanes::<3>(self, group, x, r0, out),
+                    2 => avx2_lanes::q4_lanes::<2>(self, group, x, r0, out),
+                    _ => avx2_lanes::q4_lanes::<1>(self, group, x, r0, out),
                 }
-                t += rows;
             }
             return;
         }

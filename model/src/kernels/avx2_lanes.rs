@@ -16,61 +16,69 @@ use std::arch::x86_64::*;
 use super::groups::{check, check_lanes, min_terms, pair4, prefetch};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
-/// Most activation rows one call takes: per row an accumulator and half A's dot products,
-/// plus four weight registers, fill AVX2's sixteen.
-pub const MAX_ROWS: usize = 4;
-
-/// Integer dot products of one half's four weight registers with activation row `r`'s pair
-/// `p`, as 16-bit sums: lanes 4s + 2h and 4s + 2h + 1 together hold Σ over the 16 values of
-/// half h of the half's slot s. Each lane is at most 4 · 2 · 15 · 127 = 15240 in magnitude.
-///
-/// # Safety
-/// The CPU must have AVX2; row `r`'s pair `p` must exist (checked by callers).
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn half_dot(weights: &[__m256i; 4], x: &QuantizedRows, r: usize, p: usize) -> __m256i {
-    let pairs = x.blocks.div_ceil(2);
-    // SAFETY: 64 bytes per (row, pair), in bounds (checked by the caller).
-    let at = unsafe { x.lane_quants.as_ptr().add((r * pairs + p) * LANE_PAIR_BYTES) };
-    let products: [__m256i; 4] = std::array::from_fn(|j| {
-        // SAFETY: as above; 16 bytes at 16 j, the same for both 128-bit lanes (slots of one
-        // weight row read the same activations).
-        let xs = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
-        _mm256_maddubs_epi16(weights[j], xs)
-    });
-    _mm256_add_epi16(
-        _mm256_add_epi16(products[0], products[1]),
-        _mm256_add_epi16(products[2], products[3]),
-    )
-}
-
-/// Half `half` (0: bytes 0..32 of each 64-byte register, weight rows 0 and 1; 1: rows 2 and
-/// 3) of a 4-bit record's four registers, nibbles unpacked.
+/// A 4-bit record's four registers, nibbles unpacked, as two halves: `[0..4]` the 256-bit
+/// half A (bytes 0..32 of each 64-byte register: weight rows 0 and 1), `[4..8]` half B (rows
+/// 2 and 3).
 ///
 /// # Safety
 /// The CPU must have AVX2; `q` must point at a record's 128 bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn unpack_half(q: *const u8, half: usize) -> [__m256i; 4] {
+unsafe fn unpack_record(q: *const u8) -> [__m256i; 8] {
     let low_nibbles = _mm256_set1_epi8(0x0F);
-    // SAFETY: bytes 32 · half and 64 + 32 · half of the record's 128.
-    let (first, second) = unsafe {
+    // SAFETY: the record's 128 bytes, as four 32-byte loads.
+    let bytes: [__m256i; 4] =
+        std::array::from_fn(|i| unsafe { _mm256_loadu_si256(q.add(32 * i) as *const __m256i) });
+    // Register j of half h: the low (j even) or high nibbles of bytes 64 · (j / 2) + 32 · h.
+    std::array::from_fn(|i| {
+        let (half, j) = (i / 4, i % 4);
+        let source = bytes[2 * (j / 2) + half];
+        if j % 2 == 0 {
+            _mm256_and_si256(source, low_nibbles)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16(source, 4), low_nibbles)
+        }
+    })
+}
+
+/// Both halves' integer dot products of a record's unpacked registers with one activation
+/// row's pair, at `at` (64 bytes): per half, the four `maddubs` products summed in i16, so
+/// lanes 4s + 2h and 4s + 2h + 1 of half A's sum (B's) together hold Σ over the 16 values of
+/// half h of the half's slot s, each lane at most 4 · 2 · 15 · 127 = 15240 in magnitude. Each
+/// 16 activation bytes are loaded once, broadcast to both 128-bit lanes (slots of one weight
+/// row read the same activations) and multiplied by both halves' register.
+///
+/// # Safety
+/// The CPU must have AVX2; `at` must point at 64 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn record_dot(weights: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
+    // SAFETY: 16 bytes at 16 j of the 64 (the caller's guarantee).
+    let xs =
+        |j: usize| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
+    let (mut a, mut b) = {
+        let x = xs(0);
         (
-            _mm256_loadu_si256(q.add(32 * half) as *const __m256i),
-            _mm256_loadu_si256(q.add(64 + 32 * half) as *const __m256i),
+            _mm256_maddubs_epi16(weights[0], x),
+            _mm256_maddubs_epi16(weights[4], x),
         )
     };
-    [
-        _mm256_and_si256(first, low_nibbles),
-        _mm256_and_si256(_mm256_srli_epi16(first, 4), low_nibbles),
-        _mm256_and_si256(second, low_nibbles),
-        _mm256_and_si256(_mm256_srli_epi16(second, 4), low_nibbles),
-    ]
+    for j in 1..4 {
+        let x = xs(j);
+        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(weights[j], x));
+        b = _mm256_add_epi16(b, _mm256_maddubs_epi16(weights[4 + j], x));
+    }
+    (a, b)
 }
 
 /// 4-bit weights (`scale · q + min`) × int8 activations, for weight rows
-/// `4 · group .. 4 · group + 4` and activation rows `r0..r0 + R` (R ≤ [`MAX_ROWS`]), into
-/// `out[c * ROW_TILE + t0 + t]`. Per record and row, `hadd` folds the two halves' lanes
+/// `4 · group .. 4 · group + 4` and activation rows `r0..r0 + R` (a whole row tile), into
+/// `out[c * ROW_TILE + t]`. A record is unpacked once into eight registers for all R
+/// rows, then each activation row takes both halves' products in turn, so only its two sums
+/// are live beside the weights and the accumulators (with 8 rows some accumulators live in
+/// memory, which costs less than unpacking the record twice: `cargo bench -p specd-model
+/// --bench kernels`, feed-forward for 8 rows 12.8–13.0 ms with two calls of 4 rows, 11.4–11.7
+/// with one of 8). Per record and row, `hadd` folds the two halves' lanes
 /// (slot, half block) into one lane per slot, in the order `[s0, s1, s4, s5, s2, s3, s6, s7]`,
 /// so one conversion and one multiply-add scale all 8 blocks.
 ///
@@ -83,12 +91,11 @@ pub unsafe fn q4_lanes<const R: usize>(
     group: usize,
     x: &QuantizedRows,
     r0: usize,
-    t0: usize,
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, BLOCK);
     check_lanes(x, r0, R);
-    assert!(R <= MAX_ROWS && t0 + R <= ROW_TILE && w.mins.len() == w.scales.len());
+    assert!(R <= ROW_TILE && w.mins.len() == w.scales.len());
     let nb = x.blocks;
     let pairs = nb.div_ceil(2);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -98,36 +105,32 @@ pub unsafe fn q4_lanes<const R: usize>(
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
         prefetch(w, record, BLOCK);
         // SAFETY: the record is in bounds (checked above): 8 f16 scales and 128 bytes.
-        let (dw, q) = unsafe {
+        let (dw, weights) = unsafe {
             let meta = _mm256_cvtph_ps(_mm_loadu_si128(
                 w.scales.as_ptr().add(record * 2 * COL_TILE) as *const __m128i
             ));
             (
                 _mm256_permutevar8x32_ps(meta, slot_order),
-                w.quants.as_ptr().add(record * 4 * BLOCK),
+                unpack_record(w.quants.as_ptr().add(record * 4 * BLOCK)),
             )
         };
-        // SAFETY: the record's 128 bytes (checked above).
-        let weights = unsafe { unpack_half(q, 0) };
-        let mut first_half = [_mm256_setzero_si256(); R];
         for t in 0..R {
-            // SAFETY: row r0 + t's pair p exists (checked above).
-            first_half[t] = unsafe { half_dot(&weights, x, r0 + t, p) };
-        }
-        // SAFETY: as above.
-        let weights = unsafe { unpack_half(q, 1) };
-        for t in 0..R {
-            // SAFETY: row r0 + t's pair p exists, and its blocks b (and b + 1 when two).
-            let (second_half, dx) = unsafe {
+            let row = r0 + t;
+            // SAFETY: row `row`'s pair p (64 bytes) and its blocks b (and b + 1 when two)
+            // are in bounds (checked above).
+            let ((first_half, second_half), dx) = unsafe {
                 (
-                    half_dot(&weights, x, r0 + t, p),
-                    pair4(x.scales.as_ptr().add((r0 + t) * nb + b), two),
+                    record_dot(
+                        &weights,
+                        x.lane_quants.as_ptr().add((row * pairs + p) * LANE_PAIR_BYTES),
+                    ),
+                    pair4(x.scales.as_ptr().add(row * nb + b), two),
                 )
             };
             // `hadd` of the two halves' 16-bit sums (each pair at most 30480, so still no
             // overflow) and one widening `madd`: the same lanes as widening each half first
             // and adding pairs in 32 bits, for one multiply instruction instead of two.
-            let dot = _mm256_madd_epi16(_mm256_hadd_epi16(first_half[t], second_half), ones);
+            let dot = _mm256_madd_epi16(_mm256_hadd_epi16(first_half, second_half), ones);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dx), acc[t]);
         }
     }
@@ -140,7 +143,7 @@ pub unsafe fn q4_lanes<const R: usize>(
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t0 + t] = (lanes[LANE[c]] + lanes[LANE[c] + 1]) + mins[t][c];
+            out[c * ROW_TILE + t] = (lanes[LANE[c]] + lanes[LANE[c] + 1]) + mins[t][c];
         }
     }
 }
