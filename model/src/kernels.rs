@@ -143,6 +143,27 @@ fn to_f16(value: f32) -> u16 {
     f16::from_f32(value).to_bits()
 }
 
+/// Calls a kernel monomorphised for a tile's row count: `by_rows!(count, R => call)`
+/// evaluates `call` with the const `R` set to `count` (1 to [`ROW_TILE`] = 8; 0 counts as 1).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($count:expr, $rows:ident => $call:expr) => {
+        by_rows!(@arms $count, $rows, $call, 8 7 6 5 4 3 2)
+    };
+    (@arms $count:expr, $rows:ident, $call:expr, $($n:literal)*) => {
+        match $count {
+            $($n => {
+                const $rows: usize = $n;
+                $call
+            })*
+            _ => {
+                const $rows: usize = 1;
+                $call
+            }
+        }
+    };
+}
+
 impl QuantMatrix {
     /// Repacks a Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor for this CPU's best kernel; `None` for
     /// other formats or shapes.
@@ -384,16 +405,7 @@ impl QuantMatrix {
                     // SAFETY: grouped weights exist only when the CPU has AVX2, FMA and F16C
                     // (see `from_qtensor_for`); the kernel checks every bound it uses.
                     unsafe {
-                        match count {
-                            8 => avx2_groups::q8_group::<8, $halves>(self, group, x, r0, out),
-                            7 => avx2_groups::q8_group::<7, $halves>(self, group, x, r0, out),
-                            6 => avx2_groups::q8_group::<6, $halves>(self, group, x, r0, out),
-                            5 => avx2_groups::q8_group::<5, $halves>(self, group, x, r0, out),
-                            4 => avx2_groups::q8_group::<4, $halves>(self, group, x, r0, out),
-                            3 => avx2_groups::q8_group::<3, $halves>(self, group, x, r0, out),
-                            2 => avx2_groups::q8_group::<2, $halves>(self, group, x, r0, out),
-                            _ => avx2_groups::q8_group::<1, $halves>(self, group, x, r0, out),
-                        }
+                        by_rows!(count, R => avx2_groups::q8_group::<R, $halves>(self, group, x, r0, out))
                     }
                 };
             }
@@ -413,18 +425,7 @@ impl QuantMatrix {
             let group = j0 / COL_TILE;
             // SAFETY: lane-layout weights exist only when the CPU has AVX2, FMA and F16C
             // (see `from_qtensor_for`); the kernel checks every bound it uses.
-            unsafe {
-                match count {
-                    8 => avx2_lanes::q4_lanes::<8>(self, group, x, r0, out),
-                    7 => avx2_lanes::q4_lanes::<7>(self, group, x, r0, out),
-                    6 => avx2_lanes::q4_lanes::<6>(self, group, x, r0, out),
-                    5 => avx2_lanes::q4_lanes::<5>(self, group, x, r0, out),
-                    4 => avx2_lanes::q4_lanes::<4>(self, group, x, r0, out),
-                    3 => avx2_lanes::q4_lanes::<3>(self, group, x, r0, out),
-                    2 => avx2_lanes::q4_lanes::<2>(self, group, x, r0, out),
-                    _ => avx2_lanes::q4_lanes::<1>(self, group, x, r0, out),
-                }
-            }
+            unsafe { by_rows!(count, R => avx2_lanes::q4_lanes::<R>(self, group, x, r0, out)) }
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -440,18 +441,7 @@ impl QuantMatrix {
             );
             // SAFETY: lane-layout weights exist only when the CPU has AVX-512 VNNI (see
             // `from_qtensor_for`); the kernel checks every bound it uses.
-            unsafe {
-                match count {
-                    8 => avx512::q6k_lanes::<8>(self, group, x, r0, out),
-                    7 => avx512::q6k_lanes::<7>(self, group, x, r0, out),
-                    6 => avx512::q6k_lanes::<6>(self, group, x, r0, out),
-                    5 => avx512::q6k_lanes::<5>(self, group, x, r0, out),
-                    4 => avx512::q6k_lanes::<4>(self, group, x, r0, out),
-                    3 => avx512::q6k_lanes::<3>(self, group, x, r0, out),
-                    2 => avx512::q6k_lanes::<2>(self, group, x, r0, out),
-                    _ => avx512::q6k_lanes::<1>(self, group, x, r0, out),
-                }
-            }
+            unsafe { by_rows!(count, R => avx512::q6k_lanes::<R>(self, group, x, r0, out)) }
             return;
         }
         assert!(
