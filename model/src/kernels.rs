@@ -35,8 +35,11 @@ mod groups;
 mod portable;
 mod quantize;
 mod repack;
+mod split;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
+
+pub(crate) use split::{SendPtr, for_parts, for_row_chunks, for_row_ranges};
 
 /// Rows of activations processed against each unpacked weight block.
 const ROW_TILE: usize = 8;
@@ -270,7 +273,8 @@ impl QuantMatrix {
         }
         let ptrs: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
         // Work items: (matrix, column group, row tile), matrices one after another and row
-        // tiles innermost, so a thread reuses a column group's weights while they are hot.
+        // tiles innermost, so a thread reuses a column group's weights while they are hot and
+        // consecutive items read consecutive weights (see `for_parts`).
         let mut starts = Vec::with_capacity(matrices.len() + 1);
         let mut total = 0;
         for w in matrices {
@@ -280,7 +284,7 @@ impl QuantMatrix {
         }
         starts.push(total);
         let kernel = Kernel::detect();
-        candle_core::utils::barrier_pool().execute_chunked(total, |items| {
+        for_parts(total, |items| {
             let mut tile_out = [0f32; MAX_TILE];
             for item in items {
                 let which = starts.partition_point(|&s| s <= item) - 1;
@@ -485,78 +489,6 @@ impl QuantMatrix {
             ),
         }
     }
-}
-
-/// An output pointer handed to pool threads that each write disjoint parts of it (kernels
-/// write their own rows, attention its own (row, head) slices).
-pub(crate) struct SendPtr<T = f32>(pub(crate) *mut T);
-// Copied as a pointer whatever `T` is (a derive would ask `T: Copy`).
-impl<T> Clone for SendPtr<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for SendPtr<T> {}
-unsafe impl<T> Send for SendPtr<T> {}
-unsafe impl<T> Sync for SendPtr<T> {}
-impl<T> SendPtr<T> {
-    pub(crate) fn get(self) -> *mut T {
-        self.0
-    }
-
-    /// Elements `range` of the buffer this points into.
-    ///
-    /// # Safety
-    /// The range must lie in the buffer, and no one else may use it while the slice lives.
-    pub(crate) unsafe fn slice<'a>(self, range: std::ops::Range<usize>) -> &'a mut [T] {
-        // SAFETY: as the caller guarantees.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(range.start), range.len()) }
-    }
-}
-
-/// Rows a pass must have before its row-by-row work (norms, activation quantisation, rotary
-/// embedding, SiLU) is spread over the thread pool. Each such call takes a few microseconds
-/// at a few rows, about what a dispatch and the other threads' wake-up cost: at 8 rows on 2
-/// threads (`specd bench engine --profile --profile-rows 8`) the phases took as long spread
-/// as not, at 64 rows half as long (prompt chunks, large batches).
-pub(crate) const PARALLEL_ROWS: usize = 16;
-
-/// Runs `work` over rows `0..rows` in contiguous ranges, one per pool thread, when there
-/// are at least [`PARALLEL_ROWS`] rows and more than one thread; else on this thread. The
-/// ranges cover every row once, and each row's work is the same however they are split.
-pub(crate) fn for_row_ranges(rows: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
-    let pool = candle_core::utils::barrier_pool();
-    let threads = pool.n_workers() + 1;
-    if rows < PARALLEL_ROWS || threads < 2 {
-        work(0..rows);
-        return;
-    }
-    let parts = threads.min(rows);
-    pool.execute_chunked(parts, |items| {
-        for part in items {
-            work(part * rows / parts..(part + 1) * rows / parts);
-        }
-    });
-}
-
-/// [`for_row_ranges`] over `out`, a buffer of rows of `width` values: `work` gets each range
-/// of rows with those rows of `out`, and every row goes to exactly one call.
-pub(crate) fn for_row_chunks<T: Send>(
-    out: &mut [T],
-    width: usize,
-    work: impl Fn(std::ops::Range<usize>, &mut [T]) + Sync,
-) {
-    assert!(
-        width > 0 && out.len().is_multiple_of(width),
-        "rows of `width` values"
-    );
-    let ptr = SendPtr(out.as_mut_ptr());
-    for_row_ranges(out.len() / width, |rows| {
-        let values = rows.start * width..rows.end * width;
-        // SAFETY: the ranges of rows are disjoint and each goes to one call; they lie in
-        // `out` (checked above), which stays borrowed until every call has returned.
-        work(rows, unsafe { ptr.slice(values) });
-    });
 }
 
 /// Which implementation runs, chosen once from the CPU's features.

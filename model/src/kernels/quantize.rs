@@ -30,7 +30,7 @@ impl QuantizedRows {
 
     /// As [`QuantizedRows::quantize`] with a given implementation (all give identical
     /// results), and the lane kernels' interleaved copy if `lanes`. Rows are independent, so
-    /// from [`PARALLEL_ROWS`](super::PARALLEL_ROWS) rows up they are quantised on every pool thread (see
+    /// from [`PARALLEL_ROWS`](super::split::PARALLEL_ROWS) rows up they are quantised on every pool thread (see
     /// [`for_row_ranges`]).
     pub(crate) fn quantize_with(&mut self, kernel: Kernel, x: &[f32], m: usize, k: usize, lanes: bool) {
         assert!(

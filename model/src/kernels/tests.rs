@@ -5,6 +5,7 @@ use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::split::PARALLEL_ROWS;
 use super::*;
 
 fn random(len: usize, seed: u64) -> Vec<f32> {
