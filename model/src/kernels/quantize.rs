@@ -51,10 +51,17 @@ impl QuantizedRows {
             buffer.resize(len, T::default());
             SendPtr(buffer.as_mut_ptr())
         }
-        let quants = zeroed(&mut self.quants, m * k);
-        let scales = zeroed(&mut self.scales, m * blocks);
-        let sums = zeroed(&mut self.sums, m * blocks);
-        let offsets = zeroed(&mut self.offsets, m * offsets_per_row);
+        // Every quantiser writes each of these entries, so they are only sized (what a
+        // previous quantisation left is overwritten); zeroing them first was a second pass
+        // over lines the pool's other thread last read.
+        fn sized<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> SendPtr<T> {
+            buffer.resize(len, T::default());
+            SendPtr(buffer.as_mut_ptr())
+        }
+        let quants = sized(&mut self.quants, m * k);
+        let scales = sized(&mut self.scales, m * blocks);
+        let sums = sized(&mut self.sums, m * blocks);
+        let offsets = sized(&mut self.offsets, m * offsets_per_row);
         let lane_quants = zeroed(&mut self.lane_quants, m * pairs * LANE_PAIR_BYTES);
         let lane_scales = zeroed(&mut self.lane_scales, m * pairs * 4);
         let lane_offsets = zeroed(&mut self.lane_offsets, m * pairs * 4);

@@ -462,3 +462,39 @@ fn rows_quantised_together_equal_each_row_alone() {
         }
     }
 }
+
+#[test]
+fn a_reused_quantisation_equals_a_fresh_one() {
+    // Buffers are resized, not cleared: every quantiser must write each entry it owns.
+    for kernel in Kernel::available() {
+        for lanes in [false, true] {
+            let mut reused = QuantizedRows::default();
+            reused.quantize_with(
+                kernel,
+                &random(7 * 576, 71).iter().map(|v| v * 40.0).collect::<Vec<_>>(),
+                7,
+                576,
+                lanes,
+            );
+            for (m, k) in [(3usize, 96usize), (2, 576), (5, 192)] {
+                let x = random(m * k, 72 + m as u64);
+                reused.quantize_with(kernel, &x, m, k, lanes);
+                let mut fresh = QuantizedRows::default();
+                fresh.quantize_with(kernel, &x, m, k, lanes);
+                let case = format!("{kernel:?}, lanes {lanes}, {m} rows of {k}");
+                assert_eq!(
+                    (reused.m, reused.k, reused.blocks),
+                    (fresh.m, fresh.k, fresh.blocks),
+                    "{case}"
+                );
+                assert_eq!(reused.quants, fresh.quants, "{case}");
+                assert_eq!(reused.scales, fresh.scales, "{case}");
+                assert_eq!(reused.sums, fresh.sums, "{case}");
+                assert_eq!(reused.offsets, fresh.offsets, "{case}");
+                assert_eq!(reused.lane_quants, fresh.lane_quants, "{case}");
+                assert_eq!(reused.lane_scales, fresh.lane_scales, "{case}");
+                assert_eq!(reused.lane_offsets, fresh.lane_offsets, "{case}");
+            }
+        }
+    }
+}
