@@ -60,8 +60,8 @@ const PARTS_PER_THREAD: usize = 1;
 
 /// Runs `work` over items `0..items` in [`PARTS_PER_THREAD`] contiguous ranges per pool
 /// thread. A product's items are ordered so that consecutive ones read consecutive weights,
-/// and one long stream per core is what the memory system serves fastest: on 2 threads a
-/// one-token pass took ~17% less than with the pool's dynamic split (about 8 small grabs per
+/// and one long stream per core is what the memory system serves fastest: on 2 threads
+/// passes took 6–15% less than with the pool's dynamic split (about 8 small grabs per
 /// thread, which interleave the cores' streams; `docs/SCALING-RUNS.md`). Every item is
 /// computed the same way whichever part holds it.
 pub(crate) fn for_parts(items: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
