@@ -420,6 +420,17 @@ fn quantising_for_the_matrices_at_hand_gives_the_same_products() {
     }
 }
 
+/// Every buffer of two quantisations is the same.
+fn assert_same_buffers(got: &QuantizedRows, want: &QuantizedRows, case: &str) {
+    assert_eq!(got.quants, want.quants, "{case}");
+    assert_eq!(got.scales, want.scales, "{case}");
+    assert_eq!(got.sums, want.sums, "{case}");
+    assert_eq!(got.offsets, want.offsets, "{case}");
+    assert_eq!(got.lane_quants, want.lane_quants, "{case}");
+    assert_eq!(got.lane_scales, want.lane_scales, "{case}");
+    assert_eq!(got.lane_offsets, want.lane_offsets, "{case}");
+}
+
 #[test]
 fn rows_quantised_together_equal_each_row_alone() {
     // From PARALLEL_ROWS rows up, a pass's rows are quantised on every pool thread (two or
@@ -450,13 +461,7 @@ fn rows_quantised_together_equal_each_row_alone() {
                         (m, alone.lanes_ready),
                         "{case}"
                     );
-                    assert_eq!(together.quants, concatenated.quants, "{case}");
-                    assert_eq!(together.scales, concatenated.scales, "{case}");
-                    assert_eq!(together.sums, concatenated.sums, "{case}");
-                    assert_eq!(together.offsets, concatenated.offsets, "{case}");
-                    assert_eq!(together.lane_quants, concatenated.lane_quants, "{case}");
-                    assert_eq!(together.lane_scales, concatenated.lane_scales, "{case}");
-                    assert_eq!(together.lane_offsets, concatenated.lane_offsets, "{case}");
+                    assert_same_buffers(&together, &concatenated, &case);
                 }
             }
         }
@@ -487,13 +492,7 @@ fn a_reused_quantisation_equals_a_fresh_one() {
                     (fresh.m, fresh.k, fresh.blocks),
                     "{case}"
                 );
-                assert_eq!(reused.quants, fresh.quants, "{case}");
-                assert_eq!(reused.scales, fresh.scales, "{case}");
-                assert_eq!(reused.sums, fresh.sums, "{case}");
-                assert_eq!(reused.offsets, fresh.offsets, "{case}");
-                assert_eq!(reused.lane_quants, fresh.lane_quants, "{case}");
-                assert_eq!(reused.lane_scales, fresh.lane_scales, "{case}");
-                assert_eq!(reused.lane_offsets, fresh.lane_offsets, "{case}");
+                assert_same_buffers(&reused, &fresh, &case);
             }
         }
     }
