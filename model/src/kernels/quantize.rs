@@ -46,17 +46,17 @@ impl QuantizedRows {
         let avx512 = cfg!(target_arch = "x86_64") && kernel.has_avx512();
         let pairs = if avx512 && lanes { blocks.div_ceil(2) } else { 0 };
         let offsets_per_row = if avx512 { blocks } else { 0 };
-        fn zeroed<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> SendPtr<T> {
-            buffer.clear();
-            buffer.resize(len, T::default());
-            SendPtr(buffer.as_mut_ptr())
-        }
-        // Every quantiser writes each of these entries, so they are only sized (what a
-        // previous quantisation left is overwritten); zeroing them first was a second pass
-        // over lines the pool's other thread last read.
+        // Every quantiser writes each entry of the values, scales, sums and offsets, so they
+        // are only sized (what a previous quantisation left is overwritten); zeroing them
+        // first was a second pass over lines the pool's other thread last read. The lane
+        // copy's last pair may be half empty, so it is zeroed.
         fn sized<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> SendPtr<T> {
             buffer.resize(len, T::default());
             SendPtr(buffer.as_mut_ptr())
+        }
+        fn zeroed<T: Copy + Default>(buffer: &mut Vec<T>, len: usize) -> SendPtr<T> {
+            buffer.clear();
+            sized(buffer, len)
         }
         let quants = sized(&mut self.quants, m * k);
         let scales = sized(&mut self.scales, m * blocks);
