@@ -37,22 +37,15 @@ impl<T> SendPtr<T> {
 /// as not, at 64 rows half as long (prompt chunks, large batches).
 pub(crate) const PARALLEL_ROWS: usize = 16;
 
-/// Runs `work` over rows `0..rows` in contiguous ranges, one per pool thread, when there
-/// are at least [`PARALLEL_ROWS`] rows and more than one thread; else on this thread. The
-/// ranges cover every row once, and each row's work is the same however they are split.
+/// Runs `work` over rows `0..rows` in [`for_parts`]' contiguous ranges when there are at
+/// least [`PARALLEL_ROWS`] rows; else on this thread. The ranges cover every row once, and
+/// each row's work is the same however they are split.
 pub(crate) fn for_row_ranges(rows: usize, work: impl Fn(std::ops::Range<usize>) + Sync) {
-    let pool = candle_core::utils::barrier_pool();
-    let threads = pool.n_workers() + 1;
-    if rows < PARALLEL_ROWS || threads < 2 {
+    if rows < PARALLEL_ROWS {
         work(0..rows);
         return;
     }
-    let parts = threads.min(rows);
-    pool.execute_chunked(parts, |items| {
-        for part in items {
-            work(part * rows / parts..(part + 1) * rows / parts);
-        }
-    });
+    for_parts(rows, work);
 }
 
 /// Contiguous parts per pool thread that a product's work items are split into.
