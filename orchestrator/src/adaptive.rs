@@ -4,7 +4,8 @@
 //! call and k more tokens in the verifier's pass, alone or batched with other sessions — is
 //! measured per process ([`crate::costs`]). The policy picks the k in [0, k_max] with the
 //! most tokens per second of verifier time, from α measured per session; K = 0 (plain
-//! decoding) whenever drafting does not pay.
+//! decoding) whenever drafting does not pay. α learns from verified drafts and, for free,
+//! from the first token of each proposal the policy declined.
 
 use crate::costs::CostModel;
 
@@ -144,8 +145,22 @@ impl KPolicy {
                 (self.explore_after * 2).min(EXPLORE_MAX)
             };
         }
-        self.accepted[bucket] = self.accepted[bucket] * ACCEPTANCE_DECAY + accepted as f64;
-        self.rejected[bucket] = self.rejected[bucket] * ACCEPTANCE_DECAY + f64::from(u8::from(accepted < k));
+        self.update(bucket, accepted as f64, accepted < k);
+    }
+
+    /// Records what a proposal the policy did not verify (k = 0) would have given: whether
+    /// its first token is the one the step emitted. Free evidence: without it a group whose
+    /// drafts failed for a while is judged by the few one-draft tries exploration makes, and
+    /// drafts its copies late once its text turns predictable again (a quote's opening words).
+    /// For a point-mass draft (prompt lookup) the target's own token equals it exactly as
+    /// often as rejection sampling would accept it, so sampled steps count alike.
+    pub fn record_unverified(&mut self, bucket: usize, first_kept: bool) {
+        self.update(bucket, f64::from(u8::from(first_kept)), !first_kept);
+    }
+
+    fn update(&mut self, bucket: usize, accepted: f64, rejected: bool) {
+        self.accepted[bucket] = self.accepted[bucket] * ACCEPTANCE_DECAY + accepted;
+        self.rejected[bucket] = self.rejected[bucket] * ACCEPTANCE_DECAY + f64::from(u8::from(rejected));
     }
 }
 
@@ -272,6 +287,30 @@ mod tests {
             policy.record_ask(true);
         }
         assert!(policy.worth_drafting(4, &c));
+    }
+
+    #[test]
+    fn unverified_proposals_that_would_have_been_kept_restart_drafting() {
+        let c = costs(1.0, 0.1);
+        let mut policy = KPolicy::default();
+        for _ in 0..30 {
+            policy.record(4, 0, 1);
+        }
+        assert_eq!(policy.choose(4, 1, &c), 0);
+        // The group's proposals, not verified, turn out right: the group drafts again
+        // without waiting for an exploration try.
+        for _ in 0..10 {
+            policy.record_unverified(1, true);
+        }
+        assert!(policy.alpha(1) > 0.5, "{}", policy.alpha(1));
+        assert!(policy.choose(4, 1, &c) > 0);
+        // And wrong ones pull it back down; other groups are untouched.
+        let before = policy.alpha(2);
+        for _ in 0..30 {
+            policy.record_unverified(1, false);
+        }
+        assert_eq!(policy.choose(4, 1, &c), 0);
+        assert_eq!(policy.alpha(2), before);
     }
 
     #[test]

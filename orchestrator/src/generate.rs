@@ -246,7 +246,12 @@ impl Generator {
             let draft_span =
                 tracing::info_span!(parent: &step_span, "draft", drafter = ?params.drafter, proposed = Empty);
             let draft_started = Instant::now();
-            let (draft, q, bucket) = self
+            let StepDraft {
+                tokens: draft,
+                q,
+                bucket,
+                unverified_first,
+            } = self
                 .draft(
                     session,
                     &context,
@@ -351,6 +356,9 @@ impl Generator {
             step_span.record("bonus", bonus);
             observe::step(draft.len(), outcome.accepted);
             session.policy.record(draft.len(), outcome.accepted, bucket);
+            if let Some(first) = unverified_first {
+                session.policy.record_unverified(bucket, first == outcome.next);
+            }
             tracing::debug!(
                 k = draft.len(),
                 accepted = outcome.accepted,
@@ -468,11 +476,11 @@ impl Generator {
         cap: usize,
         sampler: &mut Sampler,
         totals: &mut Totals,
-    ) -> (Vec<u32>, Vec<SparseDist>, usize) {
+    ) -> StepDraft {
         let cap = cap.min(params.max_k);
         let Some(drafter) = self.drafter.as_ref().filter(|_| params.speculate && cap > 0) else {
             session.policy.skip(&self.costs);
-            return (vec![], vec![], 0);
+            return StepDraft::default();
         };
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
         // nearly free, so it proposes the most and K is chosen from what it found.
@@ -481,7 +489,7 @@ impl Generator {
         // is not asked, which spares its round trip and both processes' CPU.
         if !per_token && !params.fixed_k && !session.policy.worth_drafting(cap, &self.costs) {
             session.policy.skip(&self.costs);
-            return (vec![], vec![], 0);
+            return StepDraft::default();
         }
         let ask = if per_token && !params.fixed_k {
             session.policy.choose(cap, 0, &self.costs)
@@ -489,7 +497,7 @@ impl Generator {
             cap
         };
         if ask == 0 {
-            return (vec![], vec![], 0);
+            return StepDraft::default();
         }
         let request = pb::ProposeRequest {
             session_id: session.id.clone(),
@@ -513,7 +521,7 @@ impl Generator {
             Err(status) => {
                 // Logged once per breaker transition (warn) rather than once per step.
                 tracing::debug!(code = ?status.code(), message = status.message(), "drafter failed; decoding this step without drafts");
-                return (vec![], vec![], 0);
+                return StepDraft::default();
             }
         };
         totals.bytes_received += response.encoded_len() as u64;
@@ -531,7 +539,7 @@ impl Generator {
             (true, Ok(qs)) => qs,
             _ => {
                 tracing::warn!("drafter sent an inconsistent proposal; decoding this step without drafts");
-                return (vec![], vec![], 0);
+                return StepDraft::default();
             }
         };
         let k = if params.fixed_k || per_token {
@@ -548,12 +556,29 @@ impl Generator {
         if k > 0 {
             totals.drafted_steps += 1;
         }
-        (
-            response.tokens[..k].to_vec(),
-            qs[..k].to_vec(),
-            bucket(response.match_length as usize),
-        )
+        // A point-mass proposal the policy chose not to verify still tells it something
+        // once the step's token is known (see `KPolicy::record_unverified`).
+        let unverified_first = (k == 0 && !per_token)
+            .then(|| response.tokens.first().copied())
+            .flatten()
+            .filter(|_| qs[0].ids.len() == 1);
+        StepDraft {
+            tokens: response.tokens[..k].to_vec(),
+            q: qs[..k].to_vec(),
+            bucket: bucket(response.match_length as usize),
+            unverified_first,
+        }
     }
+}
+
+/// What a step verifies: its drafts with their q distributions and acceptance group, and
+/// the first token of a proposal it chose not to verify.
+#[derive(Default)]
+struct StepDraft {
+    tokens: Vec<u32>,
+    q: Vec<SparseDist>,
+    bucket: usize,
+    unverified_first: Option<u32>,
 }
 
 /// Sends a non-empty chunk to a streaming client; false when the client has gone.

@@ -117,6 +117,9 @@ pub fn policy_replay(
                 policy.record_ask(k > 0);
                 let accepted = keeps.min(k);
                 policy.record(k, accepted, group);
+                if k == 0 && !proposal.tokens.is_empty() {
+                    policy.record_unverified(group, keeps > 0);
+                }
                 emitted += accepted;
             } else {
                 policy.skip(&costs);
