@@ -558,10 +558,10 @@ impl Generator {
         }
         // A point-mass proposal the policy chose not to verify still tells it something
         // once the step's token is known (see `KPolicy::record_unverified`).
-        let unverified_first = (k == 0 && !per_token)
-            .then(|| response.tokens.first().copied())
-            .flatten()
-            .filter(|_| qs[0].ids.len() == 1);
+        let unverified_first = match (response.tokens.first(), qs.first()) {
+            (Some(&first), Some(q)) if k == 0 && !per_token && q.ids.len() == 1 => Some(first),
+            _ => None,
+        };
         StepDraft {
             tokens: response.tokens[..k].to_vec(),
             q: qs[..k].to_vec(),
