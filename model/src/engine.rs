@@ -23,6 +23,7 @@ use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::llama::{Llama, SequenceStep};
 use crate::tokenizer::TextTokenizer;
+use pass_record::PassRecord;
 use returns::Returns;
 pub use types::{
     DEFAULT_RETURN_WAIT_SHARE, EngineOptions, Logits, ModelInfo, PrefillOrder, ScoreRequest, Scores,
@@ -525,15 +526,14 @@ impl Worker {
             .last_pass_end
             .map_or(0.0, |end| (started - end).as_secs_f64());
         self.last_pass_end = Some(Instant::now());
-        tracing::debug!(
-            target: "specd_model::engine::pass",
-            sequences = batch_size,
-            tokens = batch_tokens,
-            prompt_tokens = batch_prompt_tokens,
-            forward_ms = forward_seconds * 1e3,
-            idle_ms = idle_seconds * 1e3,
-            "forward pass"
-        );
+        PassRecord {
+            sequences: batch_size,
+            tokens: batch_tokens,
+            prompt_tokens: batch_prompt_tokens,
+            forward_seconds,
+            idle_seconds,
+        }
+        .emit();
         let per_job = forward_seconds / batch_size.max(1) as f64;
         let old = f64::from_bits(self.seconds_per_job.load(Ordering::Relaxed));
         let ema = if old == 0.0 {
@@ -600,6 +600,7 @@ impl Worker {
     }
 }
 
+mod pass_record;
 mod prefill_order;
 mod returns;
 #[cfg(test)]
