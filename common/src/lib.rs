@@ -3,9 +3,11 @@
 //! conversions between the model crate's types and the wire types ([`convert`]), and the
 //! model flags every model-serving binary takes ([`model_args`]), and a small OTLP trace
 //! receiver ([`otlp_sink`]), and TLS set-up with a development CA ([`tls`]), and picking
-//! loopback ports for child services ([`ports`]).
+//! loopback ports for child services ([`ports`]), and reading a Prometheus page back
+//! ([`metrics_page`]).
 
 pub mod convert;
+pub mod metrics_page;
 pub mod model_args;
 pub mod otlp_sink;
 pub mod ports;

@@ -224,6 +224,18 @@ async fn one_trace_spans_all_three_services_and_metrics_match_the_responses() {
         f64::from(calls)
     );
     assert!(sample(&verifier, "specd_verifier_computed_tokens_total") > 0.0);
+    // The engine's own accounting covers every token the calls computed (and its warm-up).
+    let engine_tokens: f64 = verifier
+        .iter()
+        .filter(|(name, _)| {
+            name == "specd_engine_prompt_tokens_total"
+                || name.starts_with("specd_engine_scored_tokens_total{")
+        })
+        .map(|(_, value)| value)
+        .sum();
+    assert!(engine_tokens >= sample(&verifier, "specd_verifier_computed_tokens_total"));
+    assert!(sample(&verifier, "specd_engine_pass_seconds_count{kind=\"prompt\"}") >= 1.0);
+    assert!(sample(&verifier, "specd_engine_pass_seconds_sum{kind=\"decode\"}") > 0.0);
     let drafter = scrape(&listen[2]).await;
     let drafter_calls: u32 = responses
         .iter()

@@ -76,27 +76,10 @@ pub fn render_tree(spans: &[ReceivedSpan], keys: &[&str]) -> String {
     out
 }
 
-/// Fetches a Prometheus text page over plain HTTP/1.1 and returns its samples: each line
+/// Fetches a service's Prometheus page and returns its samples: each line
 /// `name{labels} value` as (`name{labels}`, value).
 pub async fn scrape(address: &str) -> Vec<(String, f64)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut socket = tokio::net::TcpStream::connect(address)
+    specd_common::metrics_page::scrape(address)
         .await
-        .expect("connect to /metrics");
-    socket
-        .write_all(
-            format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut body = String::new();
-    socket.read_to_string(&mut body).await.unwrap();
-    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-    body.lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .filter_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            Some((name.to_string(), value.parse().ok()?))
-        })
-        .collect()
+        .expect("scrape /metrics")
 }
