@@ -22,10 +22,12 @@ use specd_proto::v1 as pb;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 mod report;
+mod verifier_time;
 
 use crate::bench_spec::{DEFAULT_WORKLOADS, Workloads, mode_order};
 
-use report::{Row, print_table, print_workload_speedups};
+use report::{Row, print_batching, print_table, print_workload_speedups};
+use verifier_time::EngineTime;
 
 #[derive(Debug, clap::Args)]
 pub struct LoadBenchArgs {
@@ -226,6 +228,8 @@ struct Pids {
 struct Stack {
     url: String,
     pids: Pids,
+    /// The verifiers' metrics pages (host:port), for their engine time.
+    verifier_metrics: Vec<String>,
     _procs: Vec<Proc>,
 }
 
@@ -240,9 +244,17 @@ impl Stack {
     ) -> anyhow::Result<Self> {
         let mut procs = Vec::new();
         let mut urls = Vec::new();
+        let mut verifier_metrics = Vec::new();
         for _ in 0..verifiers {
             let port = free_port()?;
-            let mut verifier_args = vec!["--model".to_string(), model.to_string()];
+            let metrics = format!("127.0.0.1:{}", free_port()?);
+            let mut verifier_args = vec![
+                "--model".to_string(),
+                model.to_string(),
+                "--metrics-listen".into(),
+                metrics.clone(),
+            ];
+            verifier_metrics.push(metrics);
             if !batched {
                 verifier_args.extend(["--max-batch-tokens".to_string(), "1".to_string()]);
             }
@@ -313,6 +325,7 @@ impl Stack {
         Ok(Self {
             url,
             pids,
+            verifier_metrics,
             _procs: procs,
         })
     }
@@ -337,7 +350,8 @@ struct Load<'a> {
 }
 
 impl Load<'_> {
-    async fn run(&self, pids: Pids) -> anyhow::Result<Tally> {
+    async fn run(&self, pids: Pids, verifier_metrics: &[String]) -> anyhow::Result<Tally> {
+        let engine_before = EngineTime::read(verifier_metrics).await?;
         let cpu_before = (cpu_seconds(pids.orchestrator), cpu_seconds(pids.drafter));
         let started = Instant::now();
         let sessions = (self.concurrency * self.rounds).max(self.prompts.len());
@@ -393,6 +407,7 @@ impl Load<'_> {
         tally.seconds = started.elapsed().as_secs_f64();
         tally.orchestrator_cpu = cpu_seconds(pids.orchestrator) - cpu_before.0;
         tally.drafter_cpu = cpu_seconds(pids.drafter) - cpu_before.1;
+        tally.engine = EngineTime::read(verifier_metrics).await?.since(engine_before);
         Ok(tally)
     }
 }
@@ -418,6 +433,7 @@ struct Tally {
     drafter_cpu: f64,
     batch_size_sum: f64,
     verifier_queue_seconds: f64,
+    engine: EngineTime,
 }
 
 impl Tally {
@@ -443,6 +459,7 @@ impl Tally {
         self.drafter_cpu += run.drafter_cpu;
         self.batch_size_sum += run.batch_size_sum;
         self.verifier_queue_seconds += run.verifier_queue_seconds;
+        self.engine.add(run.engine);
     }
 
     fn row(mut self, verifiers: usize, concurrency: usize, mode: &'static str) -> Row {
@@ -467,6 +484,7 @@ impl Tally {
             tokens_per_step: per(self.tokens as f64, self.steps),
             sequences_per_pass: per(self.batch_size_sum, self.steps),
             verifier_queue_ms_per_step: per(self.verifier_queue_seconds * 1e3, self.steps),
+            verifier_time: self.engine.breakdown(self.seconds * verifiers as f64),
             verifiers,
             concurrency,
             mode,
@@ -573,7 +591,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
                         max_tokens: args.max_tokens,
                         speculate,
                     };
-                    tally.add(load.run(stack.pids).await?);
+                    tally.add(load.run(stack.pids, &stack.verifier_metrics).await?);
                 }
             }
             for (&(mode, _, _), tally) in modes.iter().zip(tallies) {
@@ -583,19 +601,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
     }
     print_table(&rows);
     print_workload_speedups(&rows);
-    for row in rows.iter().filter(|r| r.mode == "plain-unbatched") {
-        if let Some(batched) = rows
-            .iter()
-            .find(|r| r.verifiers == 1 && r.concurrency == row.concurrency && r.mode == "plain")
-        {
-            println!(
-                "batching, 1 verifier, {} sessions: {:.2}x the tok/s of one job per pass ({:.2}x each session's decode rate)",
-                row.concurrency,
-                batched.tokens_per_second / row.tokens_per_second,
-                batched.session_decode_tokens_per_second / row.session_decode_tokens_per_second
-            );
-        }
-    }
+    print_batching(&rows);
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }

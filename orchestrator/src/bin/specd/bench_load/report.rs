@@ -1,7 +1,10 @@
-//! The load benchmark's tables: one row per (verifiers, concurrency, mode), and the
-//! speculative/plain decode rate per workload.
+//! The load benchmark's tables: one row per (verifiers, concurrency, mode), the
+//! speculative/plain decode rate per workload, where the verifiers' time went, and
+//! batching's gain.
 
 use serde::Serialize;
+
+use super::verifier_time::Breakdown;
 
 #[derive(Debug, Serialize)]
 pub struct Row {
@@ -34,6 +37,9 @@ pub struct Row {
     /// waited in the verifier's queue before its pass.
     pub sequences_per_pass: f64,
     pub verifier_queue_ms_per_step: f64,
+    /// The verifiers' wall time in prompt passes, decode-only passes and idle, and the rows
+    /// per second of their decode-only passes.
+    pub verifier_time: Breakdown,
     /// Per workload, as `session_decode_tokens_per_second`.
     pub workload_decode_tokens_per_second: std::collections::BTreeMap<String, f64>,
 }
@@ -134,5 +140,54 @@ pub fn print_workload_speedups(rows: &[Row]) {
             print!(" {:>14.2}x", ratio);
         }
         println!();
+    }
+}
+
+/// Where the verifiers' time went, per row: passes carrying prompt chunks, decode-only
+/// passes, idle; and the decode-only passes' scored rows per second.
+fn print_verifier_time(rows: &[Row]) {
+    println!("\nverifier time (wall time x verifiers): in prompt passes, decode-only passes, idle");
+    println!(
+        "{:>9} {:>5} {:<15} {:>8} {:>8} {:>6} {:>13}",
+        "verifiers", "conc", "mode", "prompt", "decode", "idle", "decode rows/s"
+    );
+    for row in rows {
+        let t = &row.verifier_time;
+        println!(
+            "{:>9} {:>5} {:<15} {:>7.0}% {:>7.0}% {:>5.0}% {:>13.1}",
+            row.verifiers,
+            row.concurrency,
+            row.mode,
+            100.0 * t.prompt_pass_share,
+            100.0 * t.decode_pass_share,
+            100.0 * t.idle_share,
+            t.decode_pass_rows_per_second
+        );
+    }
+}
+
+/// The verifier-time table, then batching's gain at each concurrency where the unbatched
+/// baseline ran: end to end, per session's decode rate, and the decode-only passes' rows
+/// per second; and the share of the batched verifier's time its prompt passes took, which
+/// batching cannot shorten (they are 64-row passes either way).
+pub fn print_batching(rows: &[Row]) {
+    print_verifier_time(rows);
+    for row in rows.iter().filter(|r| r.mode == "plain-unbatched") {
+        let Some(batched) = rows
+            .iter()
+            .find(|r| r.verifiers == 1 && r.concurrency == row.concurrency && r.mode == "plain")
+        else {
+            continue;
+        };
+        println!(
+            "batching, 1 verifier, {} sessions: {:.2}x the tok/s of one job per pass ({:.2}x each \
+             session's decode rate, {:.2}x the decode-only passes' rows/s; prompt passes {:.0}% of \
+             the batched verifier's time)",
+            row.concurrency,
+            batched.tokens_per_second / row.tokens_per_second,
+            batched.session_decode_tokens_per_second / row.session_decode_tokens_per_second,
+            batched.verifier_time.decode_pass_rows_per_second / row.verifier_time.decode_pass_rows_per_second,
+            100.0 * batched.verifier_time.prompt_pass_share
+        );
     }
 }
