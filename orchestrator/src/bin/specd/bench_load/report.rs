@@ -173,10 +173,7 @@ fn print_verifier_time(rows: &[Row]) {
 pub fn print_batching(rows: &[Row]) {
     print_verifier_time(rows);
     for row in rows.iter().filter(|r| r.mode == "plain-unbatched") {
-        let Some(batched) = rows
-            .iter()
-            .find(|r| r.verifiers == 1 && r.concurrency == row.concurrency && r.mode == "plain")
-        else {
+        let Some(batched) = plain_row(rows, row) else {
             continue;
         };
         println!(
