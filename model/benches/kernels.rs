@@ -1,5 +1,6 @@
 //! `cargo bench -p specd-model --bench kernels`: the cost of multiplying m activation rows
-//! by a model's worth of quantized weights, for m = 1..16, on one thread. It is the curve
+//! by a model's worth of quantized weights, for m = 1..16, on one thread (`SPECD_BENCH_THREADS`
+//! sets another count: the verifier runs on every core by default). It is the curve
 //! that decides what speculation and batching can gain: scoring K + 1 tokens (or K + 1
 //! sessions) in one pass pays only as far as an extra row costs less than a whole pass.
 //!
@@ -50,11 +51,15 @@ fn fastest(reps: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() {
-    specd_model::set_compute_threads(1);
-    let reps: usize = std::env::var("SPECD_BENCH_REPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15);
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let threads = env("SPECD_BENCH_THREADS", 1).max(1);
+    specd_model::set_compute_threads(threads);
+    let reps = env("SPECD_BENCH_REPS", 15);
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let layers: Vec<[QuantMatrix; 3]> = (0..LAYERS)
         .map(|_| {
@@ -67,7 +72,7 @@ fn main() {
         .collect();
     let head = matrix(GgmlDType::Q8_0, VOCAB, HIDDEN, &mut rng);
     println!(
-        "kernels: {} · 1 thread · minimum of {reps} runs",
+        "kernels: {} · {threads} thread(s) · minimum of {reps} runs",
         Kernel::detect().name()
     );
     println!(
