@@ -1,6 +1,7 @@
 //! `specd bench engine`: plain decode tok/s, 64-token prompt processing tok/s, and the cost
 //! of scoring n tokens in one pass (after `--depth` tokens of context, 64 by default) relative to n = 1 — the curve
-//! that decides whether speculation pays. With `--llama-cpp DIR` (llama.cpp's build/bin),
+//! that decides whether speculation pays, and how much a pass of several tokens slows the
+//! one-token pass after it (`bench_aftermath`). With `--llama-cpp DIR` (llama.cpp's build/bin),
 //! `llama-bench` runs on the same GGUF and thread count in the same run, and both print side
 //! by side. Medians of repeated runs.
 
@@ -40,6 +41,10 @@ pub struct EngineBenchArgs {
     /// forward pass, and with `--profile` profile their batched passes (0: skip).
     #[arg(long, default_value_t = 16)]
     sessions: usize,
+    /// Also measure how much a pass of this many tokens slows the one-token pass after it
+    /// (0: skip).
+    #[arg(long, default_value_t = 8)]
+    after_rows: usize,
     #[command(flatten)]
     pub model: ModelArgs,
 }
@@ -86,7 +91,12 @@ pub(crate) fn session_tokens(session: usize, n: usize, vocab: usize) -> Vec<u32>
     tokens(1_000_000 + 100_000 * session, n, vocab)
 }
 
-fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usize) -> anyhow::Result<f64> {
+pub(crate) fn time_pass(
+    engine: &Engine,
+    sequence: &str,
+    context: &[u32],
+    logits_from: usize,
+) -> anyhow::Result<f64> {
     let started = Instant::now();
     engine.score_blocking(ScoreRequest {
         sequence: sequence.into(),
@@ -100,8 +110,8 @@ fn time_pass(engine: &Engine, sequence: &str, context: &[u32], logits_from: usiz
 /// and how many run before each timed pass. The pass after a heavy one runs slow: after the
 /// context's prompt pass by up to 1.5× for tens of milliseconds, after a 16-token pass by
 /// about 15% for a few passes (measured on this project's CPU machines, with and without
-/// AMX: weights left unread, through an idle gap or a long pass, go cold in a shared L3; see
-/// docs/SCALING-RUNS.md). In a live stream most passes are one-token passes, so that is what each
+/// AMX: weights left unread, through an idle gap or a long pass, go cold in a shared L3;
+/// `--after-rows` measures it, see `bench_aftermath` and docs/SCALING-RUNS.md). In a live stream most passes are one-token passes, so that is what each
 /// timed pass follows.
 const CURVE_SETTLE_SECONDS: f64 = 0.2;
 const CURVE_LEAD_PASSES: usize = 3;
@@ -290,10 +300,23 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let aftermath = if args.after_rows > 0 {
+        Some(crate::bench_aftermath::measure(
+            &loaded.engine,
+            args.depth,
+            args.after_rows,
+            args.repetitions,
+        )?)
+    } else {
+        None
+    };
     print_table(&ours, theirs.as_ref(), args.depth);
     println!("kernels: {}", specd_model::kernels::Kernel::detect().name());
     if let Some(batching) = &batching {
         crate::bench_batching::print(batching);
+    }
+    if let Some(aftermath) = &aftermath {
+        crate::bench_aftermath::print(aftermath);
     }
     if let Some(profile) = &profile {
         crate::bench_profile::print(profile);
@@ -302,6 +325,7 @@ pub fn run(args: EngineBenchArgs) -> anyhow::Result<()> {
         let json = serde_json::json!({
             "model": path, "threads": threads, "kernels": specd_model::kernels::Kernel::detect().name(),
             "specd": ours, "llama_cpp": theirs, "profile": profile, "batching": batching,
+            "aftermath": aftermath,
         });
         std::fs::write(out, serde_json::to_string_pretty(&json)?)?;
     }

@@ -4,6 +4,7 @@
 //! the engine and speculation; `specd fetch-model` fetches the default model; `specd health`,
 //! `specd replicas` and `specd trace-sink` help operate a deployment.
 
+mod bench_aftermath;
 mod bench_batching;
 mod bench_cap;
 mod bench_engine;
