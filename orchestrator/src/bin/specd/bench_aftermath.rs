@@ -93,8 +93,8 @@ pub fn measure(
             pass(&base[..depth + i], depth + i - 1)?;
         }
         let d = depth + LEAD_PASSES;
-        let kind = Before::ALL[round % Before::ALL.len()];
-        let timed = match kind {
+        let index = round % Before::ALL.len();
+        let timed = match Before::ALL[index] {
             Before::OneToken => {
                 pass(&base[..d + 1], d)?;
                 pass(&base[..d + 2], d + 1)?
@@ -119,7 +119,7 @@ pub fn measure(
                 pass(&base[..d + 2], d + 1)?
             }
         };
-        times[round % Before::ALL.len()].push(timed);
+        times[index].push(timed);
     }
     engine.release(sequence);
     Ok(Aftermath {
