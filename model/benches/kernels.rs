@@ -1,8 +1,9 @@
 //! `cargo bench -p specd-model --bench kernels`: the cost of multiplying m activation rows
-//! by a model's worth of quantized weights, for m = 1..16, on one thread (`SPECD_BENCH_THREADS`
-//! sets another count: the verifier runs on every core by default). It is the curve
-//! that decides what speculation and batching can gain: scoring K + 1 tokens (or K + 1
-//! sessions) in one pass pays only as far as an extra row costs less than a whole pass.
+//! by a model's worth of quantized weights, for m = 1..16, 32 and 64 (a prompt chunk), on one
+//! thread (`SPECD_BENCH_THREADS` sets another count: the verifier runs on every core by
+//! default). It is the curve that decides what speculation and batching can gain: scoring
+//! K + 1 tokens (or K + 1 sessions) in one pass pays only as far as an extra row costs less
+//! than a whole pass; beyond 16 rows (one row tile) it is what a prompt token costs.
 //!
 //! The weights are SmolLM2-135M's shapes and formats (30 layers of Q4_1 feed-forward
 //! matrices, 576 → 1536 → 576, and a Q8_0 LM head of 49152 × 576), random, so the sweep
@@ -27,7 +28,7 @@ const LAYERS: usize = 30;
 const HIDDEN: usize = 576;
 const FFN: usize = 1536;
 const VOCAB: usize = 49152;
-const ROWS: [usize; 10] = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16];
+const ROWS: [usize; 12] = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64];
 
 fn random(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
