@@ -314,6 +314,14 @@ impl QuantMatrix {
     fn store_tile_row(&self, tile: &[f32; MAX_TILE], t: usize, dst: &mut [f32], accumulate: bool) {
         match (self.layout, accumulate) {
             // The tile layout's kernels leave each activation row's values contiguous.
+            // A full tile row is a fixed-size copy (one vector move, not a call to memmove).
+            (Layout::Tiles, false) if dst.len() == TILE_COLS => {
+                let row: &[f32; TILE_COLS] =
+                    tile[t * TILE_COLS..][..TILE_COLS].try_into().expect("a tile row");
+                <&mut [f32; TILE_COLS]>::try_from(dst)
+                    .expect("a tile row")
+                    .copy_from_slice(row);
+            }
             (Layout::Tiles, false) => dst.copy_from_slice(&tile[t * TILE_COLS..][..dst.len()]),
             (Layout::Tiles, true) => {
                 for (d, &v) in dst.iter_mut().zip(&tile[t * TILE_COLS..]) {
