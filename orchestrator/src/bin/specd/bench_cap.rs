@@ -19,6 +19,7 @@ use specd_orchestrator::adaptive::{KPolicy, bucket};
 use specd_orchestrator::costs::{CostModel, VerifyCall};
 
 /// One greedy generation: the prompt's tokens followed by the generated ones.
+#[derive(Debug)]
 pub struct Trace {
     pub context: Vec<u32>,
     pub prompt_len: usize,
@@ -133,6 +134,42 @@ pub fn policy_replay(
         return 1.0;
     }
     tokens as f64 * pass_seconds(1) / seconds
+}
+
+/// One workload's three replays (see the module documentation), as ratios to plain speed.
+#[derive(Debug, Clone, Copy)]
+pub struct Replays {
+    pub cap: f64,
+    pub policy: f64,
+    pub oracle_lengths: f64,
+}
+
+/// Replays every workload's traces and prints the table `bench spec` ends with.
+pub fn replay_workloads(
+    workloads: &[(String, Vec<Trace>)],
+    max_k: usize,
+    config: NgramConfig,
+    pass_seconds: impl Fn(usize) -> f64 + Copy,
+) -> Vec<Replays> {
+    let replays: Vec<Replays> = workloads
+        .iter()
+        .map(|(_, traces)| Replays {
+            cap: oracle_cap(traces, max_k, config, pass_seconds),
+            policy: policy_replay(traces, max_k, config, Lengths::Policy, pass_seconds),
+            oracle_lengths: policy_replay(traces, max_k, config, Lengths::Oracle, pass_seconds),
+        })
+        .collect();
+    println!(
+        "{:<15} {:>8} {:>14} {:>15}",
+        "workload", "cap", "policy replay", "oracle lengths"
+    );
+    for ((name, _), r) in workloads.iter().zip(&replays) {
+        println!(
+            "{name:<15} {:>7.2}x {:>13.2}x {:>14.2}x",
+            r.cap, r.policy, r.oracle_lengths
+        );
+    }
+    replays
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use specd_orchestrator::Generator;
 use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
 
-use crate::bench_cap::{Lengths, Trace, oracle_cap, policy_replay};
+use crate::bench_cap::{Trace, replay_workloads};
 use crate::bench_engine::pass_curve;
 use crate::plot::{Panel, grouped_bars};
 
@@ -243,29 +243,13 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join("/")
     };
-    let caps: Vec<f64> = traces
-        .iter()
-        .map(|t| oracle_cap(t, args.max_k as usize, ngram, pass_seconds))
-        .collect();
     println!(
         "\noracle-K cap (prompt lookup replayed on the plain outputs, each step verifying exactly the drafts that will be accepted), policy replay (the orchestrator's K policy on the same outputs, free drafting, no transport) and the policy's decisions to draft with oracle lengths (each drafting step verifying the drafts that will be kept, at least one), priced on the pass curve measured at depth {depth}: n = 2..5 cost x{} (the cost model had learned x{})",
         ratios(&pass_seconds),
         ratios(&|n| generator.costs.pass_seconds(n)),
     );
-    let replay = |lengths| -> Vec<f64> {
-        traces
-            .iter()
-            .map(|t| policy_replay(t, args.max_k as usize, ngram, lengths, pass_seconds))
-            .collect()
-    };
-    let (replays, oracle_lengths) = (replay(Lengths::Policy), replay(Lengths::Oracle));
-    println!(
-        "{:<15} {:>8} {:>14} {:>15}",
-        "workload", "cap", "policy replay", "oracle lengths"
-    );
-    for ((((name, _), cap), replay), lengths) in all.iter().zip(&caps).zip(&replays).zip(&oracle_lengths) {
-        println!("{name:<15} {cap:>7.2}x {replay:>13.2}x {lengths:>14.2}x");
-    }
+    let workloads: Vec<(String, Vec<Trace>)> = all.iter().map(|(name, _)| name.clone()).zip(traces).collect();
+    let replays = replay_workloads(&workloads, args.max_k as usize, ngram, pass_seconds);
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
@@ -273,11 +257,9 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let learned_curve: Vec<f64> = (1..=9).map(|n| generator.costs.pass_seconds(n)).collect();
     let json: Vec<_> = all
         .iter()
-        .zip(&caps)
         .zip(&replays)
-        .zip(&oracle_lengths)
-        .zip(&traces)
-        .map(|(((((name, results), cap), replay), lengths), traces)| {
+        .zip(&workloads)
+        .map(|(((name, results), replay), (_, traces))| {
             // The plain outputs, so drafting strategies can be replayed offline.
             let traces: Vec<_> = traces
                 .iter()
@@ -286,9 +268,9 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
             serde_json::json!({
                 "workload": name,
                 "results": results,
-                "oracle_k_cap": cap,
-                "policy_replay": replay,
-                "policy_replay_oracle_lengths": lengths,
+                "oracle_k_cap": replay.cap,
+                "policy_replay": replay.policy,
+                "policy_replay_oracle_lengths": replay.oracle_lengths,
                 "pass_seconds_1_to_9": pass_curve,
                 "learned_pass_seconds_1_to_9": learned_curve,
                 "plain_traces": traces,

@@ -10,6 +10,7 @@ mod bench_cap;
 mod bench_engine;
 mod bench_load;
 mod bench_profile;
+mod bench_replay;
 mod bench_spec;
 mod generate;
 mod ops;
@@ -58,6 +59,9 @@ enum BenchCommand {
     Spec(bench_spec::SpecBenchArgs),
     /// Throughput and latency under concurrent sessions, through real service processes.
     Load(bench_load::LoadBenchArgs),
+    /// `bench spec`'s cap and K-policy replays again, offline, from the JSON a run wrote
+    /// (to price a drafter setting or a policy change on the same outputs and pass curve).
+    Replay(bench_replay::ReplayBenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,6 +85,7 @@ fn main() -> anyhow::Result<()> {
             specd_common::telemetry::init_logging();
             runtime()?.block_on(bench_spec::run(args))
         }
+        Command::Bench(BenchCommand::Replay(args)) => bench_replay::run(args),
         Command::Health(args) => runtime()?.block_on(ops::health(args)),
         Command::Replicas(args) => runtime()?.block_on(ops::replicas(args)),
         Command::TraceSink(args) => runtime()?.block_on(ops::trace_sink(args)),
