@@ -13,14 +13,20 @@
 //! the second from the oracle (every draft the policy makes verifies exactly the tokens that
 //! will be kept, at least one), so it says which of the two the policy loses on.
 
+use serde::{Deserialize, Serialize};
 use specd_drafter::NgramConfig;
 use specd_drafter::ngram::propose;
 use specd_orchestrator::adaptive::{KPolicy, bucket};
 use specd_orchestrator::costs::{CostModel, VerifyCall};
 
-/// One greedy generation: the prompt's tokens followed by the generated ones.
-#[derive(Debug)]
+/// Pass sizes whose times a `bench spec` JSON records (1 to 9 tokens), beside its traces.
+pub const SAVED_PASS_SIZES: usize = 9;
+
+/// One greedy generation: the prompt's tokens followed by the generated ones (as `bench
+/// spec` saves it and `bench replay` reads it).
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Trace {
+    #[serde(rename = "tokens")]
     pub context: Vec<u32>,
     pub prompt_len: usize,
 }
@@ -134,6 +140,14 @@ pub fn policy_replay(
         return 1.0;
     }
     tokens as f64 * pass_seconds(1) / seconds
+}
+
+/// What passes of 2..5 tokens cost relative to one, as printed beside the replays.
+pub fn curve_ratios(pass_seconds: &dyn Fn(usize) -> f64) -> String {
+    (2..=5)
+        .map(|n| format!("{:.2}", pass_seconds(n) / pass_seconds(1)))
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// One workload's three replays (see the module documentation), as ratios to plain speed.

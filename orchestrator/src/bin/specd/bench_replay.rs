@@ -10,17 +10,14 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 use specd_drafter::NgramArgs;
 
-use crate::bench_cap::{Trace, replay_workloads};
-
-/// Pass sizes a `bench spec` JSON records (1 to 9 tokens), so K is at most 8.
-const SAVED_PASS_SIZES: usize = 9;
+use crate::bench_cap::{SAVED_PASS_SIZES, Trace, curve_ratios, replay_workloads};
 
 #[derive(Debug, clap::Args)]
 pub struct ReplayBenchArgs {
     /// A `bench spec` JSON file (with plain traces and the pass curve).
     #[arg(long, default_value = "bench-out/spec.json")]
     from: PathBuf,
-    /// K ceiling for the replays.
+    /// K ceiling for the replays (at most one less than the pass sizes the run saved).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=(SAVED_PASS_SIZES as i64 - 1)))]
     max_k: u32,
     #[command(flatten)]
@@ -31,13 +28,7 @@ pub struct ReplayBenchArgs {
 struct SavedWorkload {
     workload: String,
     pass_seconds_1_to_9: Vec<f64>,
-    plain_traces: Vec<SavedTrace>,
-}
-
-#[derive(Debug, Deserialize)]
-struct SavedTrace {
-    prompt_len: usize,
-    tokens: Vec<u32>,
+    plain_traces: Vec<Trace>,
 }
 
 /// Each workload's traces and the pass curve (seconds for 1 to 9 tokens) of a saved run.
@@ -59,23 +50,16 @@ fn load(path: &Path) -> anyhow::Result<Saved> {
     }
     let mut workloads = Vec::with_capacity(saved.len());
     for w in saved {
-        let mut traces = Vec::with_capacity(w.plain_traces.len());
-        for t in w.plain_traces {
-            if t.prompt_len > t.tokens.len() {
-                bail!(
-                    "{}: a {} trace's prompt ({} tokens) is longer than the trace ({})",
-                    path.display(),
-                    w.workload,
-                    t.prompt_len,
-                    t.tokens.len()
-                );
-            }
-            traces.push(Trace {
-                context: t.tokens,
-                prompt_len: t.prompt_len,
-            });
+        if let Some(t) = w.plain_traces.iter().find(|t| t.prompt_len > t.context.len()) {
+            bail!(
+                "{}: a {} trace's prompt ({} tokens) is longer than the trace ({})",
+                path.display(),
+                w.workload,
+                t.prompt_len,
+                t.context.len()
+            );
         }
-        workloads.push((w.workload, traces));
+        workloads.push((w.workload, w.plain_traces));
     }
     Ok((workloads, curve))
 }
@@ -83,13 +67,10 @@ fn load(path: &Path) -> anyhow::Result<Saved> {
 pub fn run(args: ReplayBenchArgs) -> anyhow::Result<()> {
     let (workloads, curve) = load(&args.from)?;
     let pass_seconds = |n: usize| curve[n.clamp(1, SAVED_PASS_SIZES) - 1];
-    let ratios: Vec<String> = (2..=5)
-        .map(|n| format!("{:.2}", pass_seconds(n) / pass_seconds(1)))
-        .collect();
     println!(
         "replayed from {}, priced on its pass curve: n = 2..5 cost x{}",
         args.from.display(),
-        ratios.join("/")
+        curve_ratios(&pass_seconds)
     );
     replay_workloads(&workloads, args.max_k as usize, args.ngram.config(), pass_seconds);
     Ok(())

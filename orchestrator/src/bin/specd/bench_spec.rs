@@ -13,7 +13,7 @@ use specd_orchestrator::Generator;
 use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
 
-use crate::bench_cap::{Trace, replay_workloads};
+use crate::bench_cap::{SAVED_PASS_SIZES, Trace, curve_ratios, replay_workloads};
 use crate::bench_engine::pass_curve;
 use crate::plot::{Panel, grouped_bars};
 
@@ -232,39 +232,30 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         .map(|t| (t.prompt_len + t.context.len()) / 2)
         .sum::<usize>()
         / all_traces.len().max(1);
-    // Sizes up to K + 1, and at least the 9 the JSON records.
-    let sizes: Vec<usize> = (1..=(args.max_k as usize + 1).max(9)).collect();
+    // Sizes up to K + 1, and at least those the JSON records.
+    let sizes: Vec<usize> = (1..=(args.max_k as usize + 1).max(SAVED_PASS_SIZES)).collect();
     let measured =
         tokio::task::spawn_blocking(move || pass_curve(&engine, depth, &sizes, PASS_CURVE_REPS)).await??;
     let pass_seconds = |n: usize| measured[n.clamp(1, measured.len()) - 1].1;
-    let ratios = |f: &dyn Fn(usize) -> f64| {
-        (2..=5)
-            .map(|n| format!("{:.2}", f(n) / f(1)))
-            .collect::<Vec<_>>()
-            .join("/")
-    };
     println!(
         "\noracle-K cap (prompt lookup replayed on the plain outputs, each step verifying exactly the drafts that will be accepted), policy replay (the orchestrator's K policy on the same outputs, free drafting, no transport) and the policy's decisions to draft with oracle lengths (each drafting step verifying the drafts that will be kept, at least one), priced on the pass curve measured at depth {depth}: n = 2..5 cost x{} (the cost model had learned x{})",
-        ratios(&pass_seconds),
-        ratios(&|n| generator.costs.pass_seconds(n)),
+        curve_ratios(&pass_seconds),
+        curve_ratios(&|n| generator.costs.pass_seconds(n)),
     );
     let workloads: Vec<(String, Vec<Trace>)> = all.iter().map(|(name, _)| name.clone()).zip(traces).collect();
     let replays = replay_workloads(&workloads, args.max_k as usize, ngram, pass_seconds);
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    let pass_curve: Vec<f64> = (1..=9).map(pass_seconds).collect();
-    let learned_curve: Vec<f64> = (1..=9).map(|n| generator.costs.pass_seconds(n)).collect();
+    let pass_curve: Vec<f64> = (1..=SAVED_PASS_SIZES).map(pass_seconds).collect();
+    let learned_curve: Vec<f64> = (1..=SAVED_PASS_SIZES)
+        .map(|n| generator.costs.pass_seconds(n))
+        .collect();
     let json: Vec<_> = all
         .iter()
         .zip(&replays)
         .zip(&workloads)
         .map(|(((name, results), replay), (_, traces))| {
-            // The plain outputs, so drafting strategies can be replayed offline.
-            let traces: Vec<_> = traces
-                .iter()
-                .map(|t| serde_json::json!({ "prompt_len": t.prompt_len, "tokens": t.context }))
-                .collect();
             serde_json::json!({
                 "workload": name,
                 "results": results,
@@ -273,6 +264,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 "policy_replay_oracle_lengths": replay.oracle_lengths,
                 "pass_seconds_1_to_9": pass_curve,
                 "learned_pass_seconds_1_to_9": learned_curve,
+                // The plain outputs, so drafting strategies can be replayed offline
+                // (`specd bench replay`).
                 "plain_traces": traces,
             })
         })
