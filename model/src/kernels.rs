@@ -301,21 +301,13 @@ impl QuantMatrix {
                 let (w, local) = (matrices[which], item - starts[which]);
                 let (col_tile, row_tile) = w.tile_shape();
                 let tiles = m.div_ceil(row_tile);
-                let band = if w.layout == Layout::Tiles {
-                    BAND_TILES
-                } else {
-                    tiles
-                };
-                let (group, tile) = if tiles <= band {
-                    (local / tiles, local % tiles)
-                } else {
-                    // Bands of `band` row tiles, each over every column group (the last band
-                    // perhaps narrower).
-                    let span = band * w.n.div_ceil(col_tile);
-                    let (which_band, within) = (local / span, local % span);
-                    let band_tiles = band.min(tiles - which_band * band);
-                    (within / band_tiles, which_band * band + within % band_tiles)
-                };
+                // Bands of `band` row tiles, each over every column group (the last band
+                // perhaps narrower); one band of all the tiles is the plain order.
+                let band = w.row_band(tiles);
+                let span = band * w.n.div_ceil(col_tile);
+                let (which_band, within) = (local / span, local % span);
+                let band_tiles = band.min(tiles - which_band * band);
+                let (group, tile) = (within / band_tiles, which_band * band + within % band_tiles);
                 let (j0, r0) = (group * col_tile, tile * row_tile);
                 let (cols, count) = (col_tile.min(w.n - j0), row_tile.min(m - r0));
                 w.tile(kernel, j0, cols, rows, r0, count, &mut tile_out);
@@ -370,6 +362,15 @@ impl QuantMatrix {
         match self.layout {
             Layout::Tiles => (TILE_COLS, TILE_ROWS),
             _ => (COL_TILE, ROW_TILE),
+        }
+    }
+
+    /// Row tiles per band of a product's work items ([`BAND_TILES`] in the tile layout; the
+    /// other layouts keep all `tiles` in one band).
+    fn row_band(&self, tiles: usize) -> usize {
+        match self.layout {
+            Layout::Tiles => BAND_TILES.min(tiles),
+            _ => tiles,
         }
     }
 
