@@ -77,9 +77,9 @@ const PREFETCH_RECORDS: usize = 24;
 /// Asks for the record [`PREFETCH_RECORDS`] ahead of `record` (a group's records are one
 /// sequential stream; the hint may name any address and never faults) into L2, not L1. On the
 /// AMD EPYC Zen 4, asking 8 records ahead into L1 as before, decoding (2 threads, 400 tokens)
-/// took 1.13× as long as with this, and the cold LM head at 5-6 rows ~1.4× (kernel bench,
-/// one thread, alternating runs); into L2 at 8 records it was slower than before, and 16 or
-/// 32 records read as 24 (docs/SCALING-RUNS.md).
+/// took 1.13× and 1.28× as long as with this (two sets of alternating runs), and the cold LM
+/// head at 5-6 rows ~1.4× (kernel bench, one thread); into L2 at 8 records it was slower than
+/// before, and 16 or 32 records read as 24 (docs/SCALING-RUNS.md).
 #[inline]
 #[target_feature(enable = "sse")]
 pub(super) fn prefetch_ahead(w: &QuantMatrix, record: usize, record_bytes: usize) {
