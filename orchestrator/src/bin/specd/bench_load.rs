@@ -5,8 +5,8 @@
 //! spec` workloads has run at least once and each slot has run `--rounds` sessions
 //! (max(C × rounds, prompts)). Reports aggregate tok/s, each session's decode rate (after its
 //! first token), time to first token and inter-token latency (p50/p99) per (verifiers,
-//! concurrency, mode), and the decode speed-up per workload, as tables ([`report`]) and a
-//! JSON file; with `--repetitions N` the modes run N times, alternating (in reverse order on
+//! concurrency, mode), and the decode speed-up per workload, as tables, a plot ([`report`])
+//! and a JSON file; with `--repetitions N` the modes run N times, alternating (in reverse on
 //! odd repetitions), pooled per row; with `--control`, plain decoding runs a second time
 //! among them, so each cell shows its own run-to-run noise. With `--unbatched-baseline`, a
 //! second single-verifier stack runs with batching off (`--max-batch-tokens 1`: one job per
@@ -26,7 +26,7 @@ mod verifier_time;
 
 use crate::bench_spec::{DEFAULT_WORKLOADS, Workloads, mode_order};
 
-use report::{Row, print_batching, print_table, print_workload_speedups};
+use report::{Row, plot, print_batching, print_table, print_workload_speedups};
 use verifier_time::EngineTime;
 
 #[derive(Debug, clap::Args)]
@@ -56,6 +56,10 @@ pub struct LoadBenchArgs {
     /// Where to write the JSON results.
     #[arg(long, default_value = "bench-out/load.json")]
     json_out: PathBuf,
+    /// Where to write the plot (SVG): aggregate tok/s, its ratio to plain, ITL and TTFT per
+    /// (verifiers, concurrency) cell and mode.
+    #[arg(long, default_value = "bench-out/load.svg")]
+    plot_out: PathBuf,
     /// The orchestrator's call deadline. Saturation is the point here: 64 prompts queued on
     /// one single-threaded verifier take longer than the production default of 30 s.
     #[arg(long, default_value_t = 300_000)]
@@ -607,5 +611,7 @@ pub async fn run(args: LoadBenchArgs) -> anyhow::Result<()> {
     }
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&rows)?)?;
     eprintln!("wrote {}", args.json_out.display());
+    plot(&args.plot_out, &rows)?;
+    eprintln!("wrote {}", args.plot_out.display());
     Ok(())
 }

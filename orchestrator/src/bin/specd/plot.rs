@@ -20,6 +20,10 @@ const COLOURS: [RGBColor; 6] = [
     RGBColor(148, 103, 189),
 ];
 
+/// Empty room at the right of each panel, as a share of the bars' width, where the legend
+/// goes, so it hides no bar.
+const LEGEND_ROOM: f64 = 0.2;
+
 /// Writes grouped bar charts: `groups` (workloads) × `series` (modes) per panel.
 pub fn grouped_bars(
     path: &Path,
@@ -46,7 +50,10 @@ pub fn grouped_bars(
             .margin(12)
             .x_label_area_size(30)
             .y_label_area_size(50)
-            .build_cartesian_2d(0.0..groups.len() as f64 * per_group, 0.0..top)?;
+            .build_cartesian_2d(
+                0.0..groups.len() as f64 * per_group * (1.0 + LEGEND_ROOM),
+                0.0..top,
+            )?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -75,6 +82,7 @@ pub fn grouped_bars(
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()?;

@@ -1,12 +1,15 @@
 //! The load benchmark's tables: one row per (verifiers, concurrency, mode), the
 //! speculative/plain decode rate per workload, where the verifiers' time went, and
-//! batching's gain.
+//! batching's gain; and the same rows as a plot.
+
+use std::path::Path;
 
 use serde::Serialize;
 
 use super::verifier_time::Breakdown;
+use crate::plot::{Panel, grouped_bars};
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub struct Row {
     pub verifiers: usize,
     pub concurrency: usize,
@@ -185,6 +188,120 @@ pub fn print_batching(rows: &[Row]) {
             batched.session_decode_tokens_per_second / row.session_decode_tokens_per_second,
             batched.verifier_time.decode_pass_rows_per_second / row.verifier_time.decode_pass_rows_per_second,
             100.0 * batched.verifier_time.prompt_pass_share
+        );
+    }
+}
+
+/// The rows as grouped bars (SVG): one group per (verifiers, concurrency) cell, one bar per
+/// mode; panels for aggregate tok/s, its ratio to plain in the same cell, and the p50 and
+/// p99 inter-token latency and p50 time to first token. A mode that did not run in a cell
+/// (the unbatched baseline beside three verifiers) has no bar there.
+pub fn plot(path: &Path, rows: &[Row]) -> anyhow::Result<()> {
+    let mut cells: Vec<(usize, usize)> = Vec::new();
+    let mut modes: Vec<&str> = Vec::new();
+    for row in rows {
+        if !cells.contains(&(row.verifiers, row.concurrency)) {
+            cells.push((row.verifiers, row.concurrency));
+        }
+        if !modes.contains(&row.mode) {
+            modes.push(row.mode);
+        }
+    }
+    let measure = |value: &dyn Fn(&Row) -> f64| -> Vec<Vec<f64>> {
+        cells
+            .iter()
+            .map(|&(verifiers, concurrency)| {
+                modes
+                    .iter()
+                    .map(|&mode| {
+                        rows.iter()
+                            .find(|r| {
+                                r.verifiers == verifiers && r.concurrency == concurrency && r.mode == mode
+                            })
+                            .map_or(0.0, value)
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let over_plain =
+        |row: &Row| plain_row(rows, row).map_or(0.0, |plain| row.tokens_per_second / plain.tokens_per_second);
+    let panels = [
+        Panel {
+            title: "aggregate tok/s",
+            values: measure(&|r| r.tokens_per_second),
+        },
+        Panel {
+            title: "aggregate tok/s over plain",
+            values: measure(&over_plain),
+        },
+        Panel {
+            title: "ITL p50 (ms)",
+            values: measure(&|r| r.itl_p50_ms),
+        },
+        Panel {
+            title: "ITL p99 (ms)",
+            values: measure(&|r| r.itl_p99_ms),
+        },
+        Panel {
+            title: "TTFT p50 (ms)",
+            values: measure(&|r| r.ttft_p50_ms),
+        },
+    ];
+    let groups: Vec<String> = cells
+        .iter()
+        .map(|&(verifiers, concurrency)| format!("{verifiers}v, {concurrency} sess."))
+        .collect();
+    let series: Vec<String> = modes.iter().map(|m| m.to_string()).collect();
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    grouped_bars(path, &groups, &series, &panels)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(verifiers: usize, concurrency: usize, mode: &'static str, tokens_per_second: f64) -> Row {
+        Row {
+            verifiers,
+            concurrency,
+            mode,
+            tokens_per_second,
+            itl_p50_ms: 1000.0 / tokens_per_second,
+            ..Row::default()
+        }
+    }
+
+    #[test]
+    fn the_plot_has_a_group_per_cell_and_a_bar_per_mode_that_ran_there() {
+        let rows = [
+            row(1, 4, "plain", 100.0),
+            row(1, 4, "speculative", 150.0),
+            row(1, 4, "plain-unbatched", 60.0),
+            row(3, 4, "plain", 120.0),
+            row(3, 4, "speculative", 130.0),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out").join("load.svg");
+        plot(&path, &rows).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        for text in [
+            "1v, 4 sess.",
+            "3v, 4 sess.",
+            "plain-unbatched",
+            "speculative",
+            "aggregate tok/s over plain",
+            "TTFT p50 (ms)",
+        ] {
+            assert!(svg.contains(text), "{text} missing");
+        }
+        // 5 panels x 2 cells x 3 modes bars (the missing one drawn empty), beside the
+        // background, the legend boxes and their swatches.
+        assert!(
+            svg.matches("<rect").count() >= 30,
+            "a bar per panel, cell and mode"
         );
     }
 }
