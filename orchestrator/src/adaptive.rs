@@ -266,6 +266,21 @@ mod tests {
     }
 
     #[test]
+    fn a_slow_first_drafter_call_does_not_stop_a_session_drafting() {
+        // A 10 ms pass, drafts nearly free, a drafter call of 0.2 ms: drafting pays.
+        let c = costs(0.010, 0.0005).with_draft_call(0.0002);
+        let mut policy = KPolicy::default();
+        assert!(policy.worth_drafting(4, &c));
+        // The first call also opens the connection and takes 50 ms.
+        c.record_draft(4, 0.05, false);
+        assert!(
+            policy.worth_drafting(4, &c),
+            "one slow call priced asks out, so the drafter would never be asked again"
+        );
+        assert!(policy.choose(4, 1, &c) > 0);
+    }
+
+    #[test]
     fn a_session_whose_asks_come_back_unused_stops_asking() {
         // Drafts nearly free, but each drafter call costs 5% of a step.
         let c = costs(1.0, 0.05).with_draft_call(0.05);

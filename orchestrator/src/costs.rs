@@ -149,13 +149,20 @@ impl CostModel {
         }
     }
 
-    /// Records a drafter call that proposed `k` tokens in `seconds`.
+    /// Records a drafter call that proposed `k` tokens in `seconds`. A call does the same
+    /// work each time and noise only slows it, so its estimate follows faster calls quickly
+    /// and slower ones slowly, as a lone sequence's pass does ([`undisturbed_estimate`]).
+    /// A plain average let one slow call (the first, which also opens the connection, or one
+    /// that waited for a busy core) price every later ask out; the drafter was then never
+    /// asked again, so its estimate never came back down, and sessions whose drafts would
+    /// have paid decoded plainly from then on (`bench load`, three verifiers, one session:
+    /// no step drafted in one run of the cell).
     pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
         let mut c = self.lock();
         if per_token_drafter && k > 0 {
-            c.draft_per_token = ema(c.draft_per_token, seconds / k as f64);
+            c.draft_per_token = undisturbed_estimate(c.draft_per_token, seconds / k as f64);
         } else {
-            c.draft_call = ema(c.draft_call, seconds);
+            c.draft_call = undisturbed_estimate(c.draft_call, seconds);
         }
     }
 
@@ -353,10 +360,25 @@ fn ema(old: f64, sample: f64) -> f64 {
 
 /// A pass-time estimate moved by one pass (see [`PASS_WEIGHT_UP`]).
 fn pass_estimate(old: f64, seconds: f64, one_sequence: bool) -> f64 {
-    let weight = match (one_sequence, seconds < old) {
-        (false, _) => EMA_WEIGHT,
-        (true, true) => PASS_WEIGHT_DOWN,
-        (true, false) => PASS_WEIGHT_UP,
+    if one_sequence {
+        undisturbed_estimate(old, seconds)
+    } else {
+        old + EMA_WEIGHT * (seconds.min(OUTLIER_FACTOR * old) - old)
+    }
+}
+
+/// The estimate of something that does the same work each time (a lone sequence's pass of
+/// one size, a drafter call), moved by one more measurement of it: towards a faster one
+/// quickly, towards a slower one slowly and by at most [`OUTLIER_FACTOR`] of the estimate
+/// (see [`PASS_WEIGHT_UP`]). With no estimate yet (0), the measurement is taken as it is.
+fn undisturbed_estimate(old: f64, seconds: f64) -> f64 {
+    if old <= 0.0 {
+        return seconds;
+    }
+    let weight = if seconds < old {
+        PASS_WEIGHT_DOWN
+    } else {
+        PASS_WEIGHT_UP
     };
     old + weight * (seconds.min(OUTLIER_FACTOR * old) - old)
 }

@@ -310,3 +310,31 @@ fn the_round_trip_is_the_call_minus_queue_and_pass() {
     }
     assert!((model.lock().round_trip - 0.0015).abs() < 1e-6);
 }
+
+#[test]
+fn one_slow_drafter_call_moves_its_estimate_little_and_faster_calls_bring_it_back() {
+    let model = cpu_curve();
+    for _ in 0..40 {
+        model.record_draft(0, 0.0002, false);
+    }
+    let settled = model.lock().draft_call;
+    assert!((settled - 0.0002).abs() < 1e-6, "{settled}");
+    // The connection's first call, or one that waited for a busy core: 100 times as long.
+    model.record_draft(0, 0.02, false);
+    let after = model.lock().draft_call;
+    assert!(after <= settled * (1.0 + PASS_WEIGHT_UP) + 1e-12, "{after}");
+    model.record_draft(0, 0.0002, false);
+    assert!(
+        model.lock().draft_call < after,
+        "a normal call brings it down again"
+    );
+    // A drafter that really is slower is followed within a few dozen calls.
+    for _ in 0..40 {
+        model.record_draft(0, 0.001, false);
+    }
+    assert!(
+        (model.lock().draft_call - 0.001).abs() < 5e-5,
+        "{}",
+        model.lock().draft_call
+    );
+}

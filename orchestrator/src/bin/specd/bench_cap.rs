@@ -100,7 +100,7 @@ pub fn policy_replay(
             ..VerifyCall::default()
         });
     }
-    // The drafter call's estimate is a moving average: enough free calls make it ~0.
+    // The drafter call's estimate follows faster calls quickly: enough free calls make it ~0.
     for _ in 0..100 {
         costs.record_draft(0, 0.0, false);
     }
