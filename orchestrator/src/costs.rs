@@ -51,8 +51,14 @@ const PASS_WEIGHT_DOWN: f64 = 0.5;
 /// of the curve, which its fresher neighbours then fill in. A size a lone session has
 /// stopped running (because it looked dear) would otherwise keep its price forever: this
 /// way the policy tries it again when its neighbours say it pays, and measures it anew.
-/// Batched sizes keep theirs: under load the sizes spread widely, each is measured rarely,
-/// and the curve would be rebuilt from a few noisy neighbours.
+/// Batched sizes keep theirs while the verifier stays busy: under load the sizes spread
+/// widely, each is measured rarely, and the curve would be rebuilt from a few noisy
+/// neighbours. Once no pass has held several sequences for as many passes, they go stale
+/// like the others. A lone session would otherwise price its drafts by the passes of a
+/// busier moment: two sessions' tokens in one pass (each reading its own cache, on a verifier
+/// just started) cost far more than one session's two, and a size-2 estimate of 11 ms beside
+/// one token's 3.5 ms kept a session from drafting, and so from measuring size 2 alone, for
+/// good (`bench load`, three verifiers, one session: no step drafted in some runs of the cell).
 const STALE_AFTER: u64 = 64;
 
 #[derive(Debug)]
@@ -64,8 +70,10 @@ pub struct CostModel {
 struct Costs {
     /// The pass-time estimate for n tokens (index n − 1), once seen.
     pass: Vec<Option<PassEstimate>>,
-    /// Passes recorded so far.
+    /// Passes recorded so far, and the count when the last one holding several sequences
+    /// was.
     passes: u64,
+    last_batched_pass: u64,
     /// Before any pass is measured: `prior_base + prior_per_token · (n − 1)`.
     prior_base: f64,
     prior_per_token: f64,
@@ -91,6 +99,7 @@ impl Default for CostModel {
             inner: Mutex::new(Costs {
                 pass: vec![None; PASS_TABLE],
                 passes: 0,
+                last_batched_pass: 0,
                 prior_base: 0.02,
                 prior_per_token: 0.0134,
                 round_trip: 0.0,
@@ -132,6 +141,9 @@ impl CostModel {
                 },
             };
             c.passes += 1;
+            if !one_sequence {
+                c.last_batched_pass = c.passes;
+            }
             c.pass[n - 1] = Some(PassEstimate {
                 seconds,
                 measured_at: c.passes,
@@ -235,15 +247,19 @@ impl Costs {
         seconds
     }
 
-    /// The measured passes, smallest first, less sizes last measured in a one-sequence
-    /// pass more than [`STALE_AFTER`] passes ago (unless fewer than two would be left).
+    /// The measured passes, smallest first, less sizes last measured more than
+    /// [`STALE_AFTER`] passes ago, in a one-sequence pass or before the verifier's passes
+    /// last held several sequences (unless fewer than two would be left).
     fn curve(&self) -> PassCurve {
+        let busy = self.passes - self.last_batched_pass < STALE_AFTER;
         let measured = |fresh_only: bool| -> Vec<(usize, f64)> {
             self.pass
                 .iter()
                 .enumerate()
                 .filter_map(|(i, estimate)| estimate.map(|e| (i + 1, e)))
-                .filter(|(_, e)| !fresh_only || !e.alone || self.passes - e.measured_at < STALE_AFTER)
+                .filter(|(_, e)| {
+                    !fresh_only || self.passes - e.measured_at < STALE_AFTER || (!e.alone && busy)
+                })
                 .map(|(size, e)| (size, e.seconds))
                 .collect()
         };

@@ -141,6 +141,47 @@ fn a_size_not_run_for_a_while_is_priced_by_its_fresher_neighbours() {
     assert!(model.pass_seconds(4) > 0.0112);
 }
 
+fn batched(sequences: u32, n: u32, milliseconds: f64) -> VerifyCall {
+    VerifyCall {
+        batch_size: sequences,
+        ..pass(n, milliseconds)
+    }
+}
+
+#[test]
+fn a_busy_moments_batched_passes_stop_pricing_a_lone_sessions_drafts_once_it_has_passed() {
+    let model = CostModel::default();
+    // A verifier just started, two sessions at once: two tokens cost three passes of one.
+    for _ in 0..3 {
+        model.record_verify(batched(2, 2, 12.0));
+    }
+    // Then one session at a time: one-token passes and prompt chunks, never a pass of 2
+    // (the policy will not draft at that price, so nothing measures it alone).
+    for round in 0..3 {
+        for _ in 0..STALE_AFTER / 2 {
+            model.record_verify(pass(1, 4.0));
+        }
+        model.record_verify(pass(40 + round, 24.0));
+    }
+    set_load(&model, 1);
+    let two = model.pass_seconds(2);
+    assert!(two < 0.0046, "priced by its one-sequence neighbours: {two}");
+    assert!(best_k(&model, 0.7) > 0, "drafts pay again");
+}
+
+#[test]
+fn under_load_batched_sizes_keep_their_price() {
+    let model = CostModel::default();
+    model.record_verify(batched(8, 8, 20.0));
+    // Busy: batched passes of other sizes keep coming, size 8 is not run again.
+    for _ in 0..2 * STALE_AFTER {
+        model.record_verify(batched(4, 4, 12.0));
+        model.record_verify(batched(12, 12, 28.0));
+    }
+    let eight = model.pass_seconds(8);
+    assert!((eight - 0.020).abs() < 1e-9, "{eight}");
+}
+
 #[test]
 fn one_sequences_passes_are_priced_undisturbed_and_batched_ones_on_average() {
     let (alone, batched) = (CostModel::default(), CostModel::default());
