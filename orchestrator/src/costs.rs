@@ -164,11 +164,10 @@ impl CostModel {
     /// Records a drafter call that proposed `k` tokens in `seconds`. A call does the same
     /// work each time and noise only slows it, so its estimate follows faster calls quickly
     /// and slower ones slowly, as a lone sequence's pass does ([`undisturbed_estimate`]).
-    /// A plain average let one slow call (the first, which also opens the connection, or one
-    /// that waited for a busy core) price every later ask out; the drafter was then never
-    /// asked again, so its estimate never came back down, and sessions whose drafts would
-    /// have paid decoded plainly from then on (`bench load`, three verifiers, one session:
-    /// no step drafted in one run of the cell).
+    /// With a plain average, one slow call (the first, which also opens the connection, or
+    /// one that waited for a busy core) could price every later ask out: the drafter would
+    /// then never be asked again, its estimate never come back down, and sessions whose
+    /// drafts would pay decode plainly from then on.
     pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
         let mut c = self.lock();
         if per_token_drafter && k > 0 {
