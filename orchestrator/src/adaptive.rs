@@ -7,7 +7,7 @@
 //! decoding) whenever drafting does not pay. α learns from verified drafts and, for free,
 //! from the first token of each proposal the policy declined.
 
-use crate::costs::CostModel;
+use crate::costs::{CostModel, DraftPricing};
 
 /// Prior acceptance counts (α starts at 0.5 and is pulled back to it slowly).
 const PRIOR_ACCEPTED: f64 = 1.0;
@@ -49,6 +49,8 @@ pub struct KPolicy {
     /// Drafter asks, and those whose proposal was then verified (decayed counts).
     asks: f64,
     asks_drafted: f64,
+    /// How this session's drafter is priced (its requests name the drafter).
+    pricing: DraftPricing,
 }
 
 impl Default for KPolicy {
@@ -61,6 +63,7 @@ impl Default for KPolicy {
             exploring: false,
             asks: PRIOR_ASKS,
             asks_drafted: PRIOR_ASKS_DRAFTED,
+            pricing: DraftPricing::PerCall,
         }
     }
 }
@@ -72,6 +75,11 @@ pub fn bucket(match_length: usize) -> usize {
 }
 
 impl KPolicy {
+    /// Prices this session's next steps for its drafter (see [`DraftPricing`]).
+    pub fn set_pricing(&mut self, pricing: DraftPricing) {
+        self.pricing = pricing;
+    }
+
     /// Estimated probability that a draft token of group `bucket` is accepted.
     pub fn alpha(&self, bucket: usize) -> f64 {
         self.accepted[bucket] / (self.accepted[bucket] + self.rejected[bucket])
@@ -85,10 +93,10 @@ impl KPolicy {
             self.steps_without_draft += 1;
             return 0;
         }
-        let (best, _) = best_k(available, self.alpha(bucket), costs);
+        let (best, _) = best_k(available, self.alpha(bucket), costs, self.pricing);
         if best == 0 {
             self.steps_without_draft += 1;
-            if self.steps_without_draft >= self.explore_after && tries_pay(costs) {
+            if self.steps_without_draft >= self.explore_after && tries_pay(costs, self.pricing) {
                 self.steps_without_draft = 0;
                 self.exploring = true;
                 return 1;
@@ -109,11 +117,11 @@ impl KPolicy {
         if available == 0 {
             return false;
         }
-        if self.steps_without_draft + 1 >= self.explore_after && tries_pay(costs) {
+        if self.steps_without_draft + 1 >= self.explore_after && tries_pay(costs, self.pricing) {
             return true;
         }
         let alpha = (0..MATCH_BUCKETS).map(|b| self.alpha(b)).fold(0.0, f64::max);
-        let (k, value) = best_k(available, alpha, costs);
+        let (k, value) = best_k(available, alpha, costs, self.pricing);
         k > 0 && self.drafted_share() * (value - 1.0) > costs.draft_call_share()
     }
 
@@ -166,15 +174,15 @@ impl KPolicy {
 
 /// Whether a one-draft try would pay at the current costs if the draft were kept
 /// `EXPLORE_ALPHA` of the time.
-fn tries_pay(costs: &CostModel) -> bool {
-    best_k(1, EXPLORE_ALPHA, costs).0 > 0
+fn tries_pay(costs: &CostModel, pricing: DraftPricing) -> bool {
+    best_k(1, EXPLORE_ALPHA, costs, pricing).0 > 0
 }
 
 /// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`,
 /// and its value relative to a plain step.
-fn best_k(available: usize, alpha: f64, costs: &CostModel) -> (usize, f64) {
+fn best_k(available: usize, alpha: f64, costs: &CostModel, pricing: DraftPricing) -> (usize, f64) {
     let expected: Vec<f64> = (0..=available).map(|k| expected_tokens(k, alpha)).collect();
-    let value = costs.relative_values(&expected);
+    let value = costs.relative_values(&expected, pricing);
     (0..=available)
         .max_by(|&a, &b| value[a].total_cmp(&value[b]))
         .map_or((0, 1.0), |k| (k, value[k]))

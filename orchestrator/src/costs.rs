@@ -60,6 +60,15 @@ const PASS_WEIGHT_DOWN: f64 = 0.5;
 /// one token's 3.5 ms kept a session from drafting, and so from measuring size 2 alone, for
 /// good (`bench load`, three verifiers, one session: no step drafted in some runs of the cell).
 const STALE_AFTER: u64 = 64;
+/// How a drafter's time grows with the drafts a step asks of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraftPricing {
+    /// One call per step whatever k (prompt lookup).
+    #[default]
+    PerCall,
+    /// A forward pass of the drafter's own model per drafted token (an LM drafter).
+    PerToken,
+}
 
 #[derive(Debug)]
 pub struct CostModel {
@@ -80,7 +89,8 @@ struct Costs {
     /// Seconds of a verifier call beyond its queue wait and forward pass (transport,
     /// serialisation, argmax or warping).
     round_trip: f64,
-    /// Seconds of one drafter call, and per drafted token (LM drafters).
+    /// Seconds of one prompt-lookup call, and per token an LM drafter drafts (its whole
+    /// call over its drafts).
     draft_call: f64,
     draft_per_token: f64,
     /// Sessions in the verifier's recent passes, and other sequences' prompt tokens there.
@@ -170,24 +180,26 @@ impl CostModel {
     /// drafts would pay decode plainly from then on.
     pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
         let mut c = self.lock();
-        if per_token_drafter && k > 0 {
-            c.draft_per_token = undisturbed_estimate(c.draft_per_token, seconds / k as f64);
-        } else {
+        if !per_token_drafter {
             c.draft_call = undisturbed_estimate(c.draft_call, seconds);
+        } else if k > 0 {
+            c.draft_per_token = undisturbed_estimate(c.draft_per_token, seconds / k as f64);
         }
     }
 
     /// What this session's next step is worth if it verifies k drafts and emits
     /// `expected[k]` tokens, relative to a plain step (1.0; see the module documentation),
-    /// for every k in `0..expected.len()`.
-    pub fn relative_values(&self, expected: &[f64]) -> Vec<f64> {
+    /// for every k in `0..expected.len()`, with its drafter priced as `pricing` says. (One
+    /// process serves sessions of both drafter kinds: an LM drafter's price per token must
+    /// not land on prompt lookup's drafts, nor the other way round.)
+    pub fn relative_values(&self, expected: &[f64], pricing: DraftPricing) -> Vec<f64> {
         let c = self.lock();
         let curve = c.curve();
-        let plain = c.step_seconds(&curve, 0);
+        let plain = c.step_seconds(&curve, 0, pricing);
         expected
             .iter()
             .enumerate()
-            .map(|(k, e)| e * plain / c.step_seconds(&curve, k).max(1e-12))
+            .map(|(k, e)| e * plain / c.step_seconds(&curve, k, pricing).max(1e-12))
             .collect()
     }
 
@@ -196,7 +208,7 @@ impl CostModel {
     pub fn draft_call_share(&self) -> f64 {
         let c = self.lock();
         let curve = c.curve();
-        c.draft_call / c.step_seconds(&curve, 0).max(1e-12)
+        c.draft_call / c.step_seconds(&curve, 0, DraftPricing::PerCall).max(1e-12)
     }
 
     /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_values`] prices it).
@@ -214,6 +226,7 @@ impl CostModel {
             c.prior_base = base;
             c.prior_per_token = per_token;
             c.draft_call = 0.0;
+            c.draft_per_token = 0.0;
         }
         model
     }
@@ -232,8 +245,8 @@ impl CostModel {
 
 impl Costs {
     /// A session's step verifying k drafts, in seconds: its share of the pass, the round
-    /// trip, and for k > 0 the drafter call.
-    fn step_seconds(&self, curve: &PassCurve, k: usize) -> f64 {
+    /// trip, and for k > 0 the drafter's time.
+    fn step_seconds(&self, curve: &PassCurve, k: usize, pricing: DraftPricing) -> f64 {
         // Sessions sharing the verifier: those in its passes, and as many again per pass
         // a call waits in its queue.
         let sessions = self.sessions.max(1.0) * (1.0 + self.queued_passes);
@@ -241,7 +254,10 @@ impl Costs {
         let all = rows + self.others_prompt_tokens;
         let mut seconds = curve.seconds(all.round() as usize) * rows / all + self.round_trip;
         if k > 0 {
-            seconds += self.draft_call + self.draft_per_token * k as f64;
+            seconds += match pricing {
+                DraftPricing::PerCall => self.draft_call,
+                DraftPricing::PerToken => self.draft_per_token * k as f64,
+            };
         }
         seconds
     }

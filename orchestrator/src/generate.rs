@@ -19,6 +19,7 @@ use specd_proto::v1 as pb;
 use crate::acceptance::{accept_greedy, accept_sampled};
 use crate::adaptive::bucket;
 use crate::backend::{DrafterBackend, VerifierBackend};
+use crate::costs::DraftPricing;
 use crate::costs::{CostModel, VerifyCall};
 use crate::error::OrchestratorError;
 use crate::observe;
@@ -485,6 +486,11 @@ impl Generator {
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
         // nearly free, so it proposes the most and K is chosen from what it found.
         let per_token = params.drafter == Drafter::Lm;
+        session.policy.set_pricing(if per_token {
+            DraftPricing::PerToken
+        } else {
+            DraftPricing::PerCall
+        });
         // No proposal could pay (a busy verifier, a session whose drafts fail): the drafter
         // is not asked, which spares its round trip and both processes' CPU.
         if !per_token && !params.fixed_k && !session.policy.worth_drafting(cap, &self.costs) {

@@ -36,7 +36,7 @@ fn cpu_curve() -> CostModel {
 
 fn best_k(model: &CostModel, alpha: f64) -> usize {
     let expected: Vec<f64> = (0..=8).map(|k| expected_tokens(k, alpha)).collect();
-    let values = model.relative_values(&expected);
+    let values = model.relative_values(&expected, DraftPricing::PerCall);
     (0..=8).max_by(|&a, &b| values[a].total_cmp(&values[b])).unwrap()
 }
 
@@ -314,7 +314,7 @@ fn drafts_beside_other_sequences_prompts_do_not_pay() {
     }
     // Not even perfect acceptance pays: a kept draft row costs about what a plain row
     // does, and the drafter call comes on top.
-    let values = model.relative_values(&[1.0, 2.0, 3.0]);
+    let values = model.relative_values(&[1.0, 2.0, 3.0], DraftPricing::PerCall);
     assert!(values[1] <= 1.0 + 1e-9 && values[2] <= 1.0 + 1e-9, "{values:?}");
     // The prompts done, the cheap part of the curve is back.
     set_others_prompt_tokens(&model, 0);
@@ -328,7 +328,7 @@ fn a_lone_session_prices_k_by_the_pass_curve_and_round_trip() {
     let draft = model.lock().draft_call;
     // Two drafts, both accepted (3 tokens) in an 11 ms pass plus the drafter call,
     // against 1 token in 10 ms.
-    let values = model.relative_values(&[1.0, 2.0, 3.0]);
+    let values = model.relative_values(&[1.0, 2.0, 3.0], DraftPricing::PerCall);
     let want = 3.0 / (0.011 + draft) * 0.010;
     // (Each size's first pass starts from what its neighbours imply: 120 passes later the
     // estimates sit within a few nanoseconds of the passes' time.)
@@ -378,4 +378,28 @@ fn one_slow_drafter_call_moves_its_estimate_little_and_faster_calls_bring_it_bac
         "{}",
         model.lock().draft_call
     );
+}
+
+#[test]
+fn an_lm_drafters_price_per_token_does_not_land_on_prompt_lookups_drafts() {
+    let model = cpu_curve();
+    let expected = [1.0, 1.9, 2.7];
+    let before = model.relative_values(&expected, DraftPricing::PerCall);
+    // Sessions with an LM drafter in the same process: 2 ms a drafted token.
+    for _ in 0..60 {
+        model.record_draft(2, 0.004, true);
+    }
+    let lookup = model.relative_values(&expected, DraftPricing::PerCall);
+    let lm = model.relative_values(&expected, DraftPricing::PerToken);
+    for k in 0..expected.len() {
+        assert!(
+            (lookup[k] - before[k]).abs() < 1e-12,
+            "k = {k}: {} vs {}",
+            lookup[k],
+            before[k]
+        );
+    }
+    // Two drafts at 2 ms each on a 11 ms pass against one token in 10 ms.
+    let want = 2.7 * 0.010 / (0.011 + 0.004);
+    assert!((lm[2] - want).abs() < 1e-3, "{} vs {want}", lm[2]);
 }
