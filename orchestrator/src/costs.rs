@@ -60,6 +60,7 @@ const PASS_WEIGHT_DOWN: f64 = 0.5;
 /// one token's 3.5 ms kept a session from drafting, and so from measuring size 2 alone, for
 /// good (`bench load`, three verifiers, one session: no step drafted in some runs of the cell).
 const STALE_AFTER: u64 = 64;
+
 /// How a drafter's time grows with the drafts a step asks of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DraftPricing {

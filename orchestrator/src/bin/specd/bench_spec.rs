@@ -272,9 +272,6 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         .collect();
     std::fs::write(&args.json_out, serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}", args.json_out.display());
-    if let Some(parent) = args.plot_out.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
     let groups: Vec<String> = all.iter().map(|(name, _)| name.clone()).collect();
     let panels = [
         Panel {

@@ -24,13 +24,17 @@ const COLOURS: [RGBColor; 6] = [
 /// goes, so it hides no bar.
 const LEGEND_ROOM: f64 = 0.2;
 
-/// Writes grouped bar charts: `groups` (workloads) × `series` (modes) per panel.
+/// Writes grouped bar charts: `groups` (workloads) × `series` (modes) per panel, creating
+/// `path`'s folder if need be.
 pub fn grouped_bars(
     path: &Path,
     groups: &[String],
     series: &[String],
     panels: &[Panel],
 ) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
     let height = 360 * panels.len() as u32;
     let root = SVGBackend::new(path, (960, height)).into_drawing_area();
     root.fill(&WHITE)?;

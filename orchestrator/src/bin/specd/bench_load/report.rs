@@ -253,9 +253,6 @@ pub fn plot(path: &Path, rows: &[Row]) -> anyhow::Result<()> {
         .map(|&(verifiers, concurrency)| format!("{verifiers}v, {concurrency} sess."))
         .collect();
     let series: Vec<String> = modes.iter().map(|m| m.to_string()).collect();
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
     grouped_bars(path, &groups, &series, &panels)
 }
 
