@@ -173,9 +173,10 @@ impl KPolicy {
 }
 
 /// Whether a one-draft try would pay at the current costs if the draft were kept
-/// `EXPLORE_ALPHA` of the time.
+/// `EXPLORE_ALPHA` of the time (a drafter price not measured for a while counts as free:
+/// see [`CostModel::try_pays`]).
 fn tries_pay(costs: &CostModel, pricing: DraftPricing) -> bool {
-    best_k(1, EXPLORE_ALPHA, costs, pricing).0 > 0
+    costs.try_pays(EXPLORE_ALPHA, pricing)
 }
 
 /// The k in `[0, available]` with the most tokens per second of verifier time at `alpha`,

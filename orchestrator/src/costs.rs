@@ -94,6 +94,9 @@ struct Costs {
     /// call over its drafts).
     draft_call: f64,
     draft_per_token: f64,
+    /// The pass count when each of those was last measured (see [`CostModel::try_pays`]).
+    draft_call_measured_at: u64,
+    draft_per_token_measured_at: u64,
     /// Sessions in the verifier's recent passes, and other sequences' prompt tokens there.
     sessions: f64,
     others_prompt_tokens: f64,
@@ -116,6 +119,8 @@ impl Default for CostModel {
                 round_trip: 0.0,
                 draft_call: 0.0005,
                 draft_per_token: 0.0,
+                draft_call_measured_at: 0,
+                draft_per_token_measured_at: 0,
                 sessions: 1.0,
                 others_prompt_tokens: 0.0,
                 queued_passes: 0.0,
@@ -174,7 +179,7 @@ impl CostModel {
 
     /// Records a drafter call that proposed `k` tokens in `seconds`. A call does the same
     /// work each time and noise only slows it, so its estimate follows faster calls quickly
-    /// and slower ones slowly, as a lone sequence's pass does ([`undisturbed_estimate`]).
+    /// and slower ones slowly, as a lone sequence's pass does ([`drafter_estimate`]).
     /// With a plain average, one slow call (the first, which also opens the connection, or
     /// one that waited for a busy core) could price every later ask out: the drafter would
     /// then never be asked again, its estimate never come back down, and sessions whose
@@ -182,9 +187,11 @@ impl CostModel {
     pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
         let mut c = self.lock();
         if !per_token_drafter {
-            c.draft_call = undisturbed_estimate(c.draft_call, seconds);
+            c.draft_call = drafter_estimate(c.draft_call, seconds);
+            c.draft_call_measured_at = c.passes;
         } else if k > 0 {
-            c.draft_per_token = undisturbed_estimate(c.draft_per_token, seconds / k as f64);
+            c.draft_per_token = drafter_estimate(c.draft_per_token, seconds / k as f64);
+            c.draft_per_token_measured_at = c.passes;
         }
     }
 
@@ -195,13 +202,30 @@ impl CostModel {
     /// not land on prompt lookup's drafts, nor the other way round.)
     pub fn relative_values(&self, expected: &[f64], pricing: DraftPricing) -> Vec<f64> {
         let c = self.lock();
-        let curve = c.curve();
-        let plain = c.step_seconds(&curve, 0, pricing);
-        expected
-            .iter()
-            .enumerate()
-            .map(|(k, e)| e * plain / c.step_seconds(&curve, k, pricing).max(1e-12))
-            .collect()
+        c.relative_values(expected, c.draft_price(pricing))
+    }
+
+    /// Whether a one-draft try kept with probability `alpha` would pay, as
+    /// [`CostModel::relative_values`] prices it, except that a drafter price not measured for
+    /// [`STALE_AFTER`] passes counts as free. A try is what measures the drafter again: priced
+    /// by a call that was slow once (an LM drafter's first, which may find its model cold),
+    /// no try would ever pay, so no call would bring the price back down and the sessions
+    /// of that drafter would decode plainly for the rest of the process. A drafter that
+    /// really is dear costs one such call per [`STALE_AFTER`] passes.
+    pub fn try_pays(&self, alpha: f64, pricing: DraftPricing) -> bool {
+        let c = self.lock();
+        let measured_at = match pricing {
+            DraftPricing::PerCall => c.draft_call_measured_at,
+            DraftPricing::PerToken => c.draft_per_token_measured_at,
+        };
+        let price = if c.passes - measured_at < STALE_AFTER {
+            c.draft_price(pricing)
+        } else {
+            DraftPrice::default()
+        };
+        let expected = [1.0, 1.0 + alpha];
+        let values = c.relative_values(&expected, price);
+        values[1] >= values[0]
     }
 
     /// What asking the drafter costs, relative to a plain step: its call's time over the
@@ -209,7 +233,8 @@ impl CostModel {
     pub fn draft_call_share(&self) -> f64 {
         let c = self.lock();
         let curve = c.curve();
-        c.draft_call / c.step_seconds(&curve, 0, DraftPricing::PerCall).max(1e-12)
+        let plain = c.step_seconds(&curve, 0, c.draft_price(DraftPricing::PerCall));
+        c.draft_call / plain.max(1e-12)
     }
 
     /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_values`] prices it).
@@ -244,10 +269,42 @@ impl CostModel {
     }
 }
 
+/// A drafter's price: seconds per call and per drafted token.
+#[derive(Debug, Clone, Copy, Default)]
+struct DraftPrice {
+    per_call: f64,
+    per_token: f64,
+}
+
 impl Costs {
+    /// The measured price of drafting as `pricing` says.
+    fn draft_price(&self, pricing: DraftPricing) -> DraftPrice {
+        match pricing {
+            DraftPricing::PerCall => DraftPrice {
+                per_call: self.draft_call,
+                per_token: 0.0,
+            },
+            DraftPricing::PerToken => DraftPrice {
+                per_call: 0.0,
+                per_token: self.draft_per_token,
+            },
+        }
+    }
+
+    /// See [`CostModel::relative_values`].
+    fn relative_values(&self, expected: &[f64], price: DraftPrice) -> Vec<f64> {
+        let curve = self.curve();
+        let plain = self.step_seconds(&curve, 0, price);
+        expected
+            .iter()
+            .enumerate()
+            .map(|(k, e)| e * plain / self.step_seconds(&curve, k, price).max(1e-12))
+            .collect()
+    }
+
     /// A session's step verifying k drafts, in seconds: its share of the pass, the round
     /// trip, and for k > 0 the drafter's time.
-    fn step_seconds(&self, curve: &PassCurve, k: usize, pricing: DraftPricing) -> f64 {
+    fn step_seconds(&self, curve: &PassCurve, k: usize, price: DraftPrice) -> f64 {
         // Sessions sharing the verifier: those in its passes, and as many again per pass
         // a call waits in its queue.
         let sessions = self.sessions.max(1.0) * (1.0 + self.queued_passes);
@@ -255,10 +312,7 @@ impl Costs {
         let all = rows + self.others_prompt_tokens;
         let mut seconds = curve.seconds(all.round() as usize) * rows / all + self.round_trip;
         if k > 0 {
-            seconds += match pricing {
-                DraftPricing::PerCall => self.draft_call,
-                DraftPricing::PerToken => self.draft_per_token * k as f64,
-            };
+            seconds += price.per_call + price.per_token * k as f64;
         }
         seconds
     }
@@ -413,6 +467,20 @@ fn undisturbed_estimate(old: f64, seconds: f64) -> f64 {
         PASS_WEIGHT_UP
     };
     old + weight * (seconds.min(OUTLIER_FACTOR * old) - old)
+}
+
+/// A drafter call's estimate moved by one more call: as [`undisturbed_estimate`], except
+/// that a call taking under `1 / OUTLIER_FACTOR` of the estimate replaces it. Noise only
+/// slows calls, so such a call shows that the estimate came from disturbed ones (the
+/// first call, which may find the drafter's model cold), and the drafter is asked too
+/// rarely after a dear estimate (one try per [`STALE_AFTER`] passes) to wait for the
+/// estimate to halve its way down.
+fn drafter_estimate(old: f64, seconds: f64) -> f64 {
+    if seconds * OUTLIER_FACTOR < old {
+        seconds
+    } else {
+        undisturbed_estimate(old, seconds)
+    }
 }
 
 #[cfg(test)]

@@ -403,3 +403,41 @@ fn an_lm_drafters_price_per_token_does_not_land_on_prompt_lookups_drafts() {
     let want = 2.7 * 0.010 / (0.011 + 0.004);
     assert!((lm[2] - want).abs() < 1e-3, "{} vs {want}", lm[2]);
 }
+
+#[test]
+fn an_lm_drafters_cold_first_call_is_measured_again_by_a_try() {
+    let model = cpu_curve();
+    // The first call found the drafter's model cold: 200 ms for one token.
+    model.record_draft(1, 0.2, true);
+    assert!(
+        !model.try_pays(0.8, DraftPricing::PerToken),
+        "fresh, that price rules tries out"
+    );
+    // Prompt lookup's price is its own.
+    assert!(model.try_pays(0.8, DraftPricing::PerCall));
+    // Plain steps go by; nothing measures the drafter.
+    for _ in 0..STALE_AFTER {
+        model.record_verify(pass(1, 10.0));
+    }
+    assert!(
+        model.try_pays(0.8, DraftPricing::PerToken),
+        "a stale price does not block a try"
+    );
+    // The try's call is fast: it replaces the estimate, and drafts pay again.
+    model.record_draft(1, 0.0005, true);
+    assert!(model.try_pays(0.8, DraftPricing::PerToken));
+    let expected = [1.0, 1.8];
+    let values = model.relative_values(&expected, DraftPricing::PerToken);
+    assert!(values[1] > values[0], "{values:?}");
+    // A drafter that really is dear is priced so again by the try's call.
+    let dear = cpu_curve();
+    for _ in 0..2 {
+        dear.record_draft(1, 0.2, true);
+        for _ in 0..STALE_AFTER {
+            dear.record_verify(pass(1, 10.0));
+        }
+    }
+    assert!(dear.try_pays(0.8, DraftPricing::PerToken));
+    dear.record_draft(1, 0.2, true);
+    assert!(!dear.try_pays(0.8, DraftPricing::PerToken));
+}
