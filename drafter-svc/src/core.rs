@@ -60,12 +60,12 @@ impl DrafterCore {
         }
         let kind = pb::DrafterKind::try_from(request.kind)
             .map_err(|_| DrafterError::InvalidArgument(format!("unknown drafter kind {}", request.kind)))?;
-        let (tokens, qs, confidence, match_length) = match kind {
+        let (tokens, qs, confidence, match_length, computed_context, catch_up_seconds) = match kind {
             pb::DrafterKind::Unspecified | pb::DrafterKind::Ngram => {
                 let p = ngram::propose(&request.context, k, self.ngram);
                 // Deterministic: each proposed token has q = 1.
                 let qs = p.tokens.iter().map(|&t| SparseDist::point(t)).collect();
-                (p.tokens, qs, p.confidence, p.match_length as u32)
+                (p.tokens, qs, p.confidence, p.match_length as u32, 0, 0.0)
             }
             pb::DrafterKind::Lm => {
                 let lm = self.lm.as_ref().ok_or(DrafterError::KindUnavailable("lm"))?;
@@ -78,11 +78,18 @@ impl DrafterCore {
                 sampling
                     .validate()
                     .map_err(|e| DrafterError::InvalidArgument(e.to_string()))?;
-                let (tokens, qs) = lm
+                let proposal = lm
                     .propose(&request.session_id, &request.context, k, &sampling, request.seed)
                     .await?;
-                let confidence = qs.first().map_or(0.0, |q: &SparseDist| q.probs[0]);
-                (tokens, qs, confidence, 0)
+                let confidence = proposal.qs.first().map_or(0.0, |q: &SparseDist| q.probs[0]);
+                (
+                    proposal.tokens,
+                    proposal.qs,
+                    confidence,
+                    0,
+                    proposal.computed_context as u32,
+                    proposal.catch_up_seconds,
+                )
             }
         };
         let vocab = self
@@ -95,6 +102,8 @@ impl DrafterCore {
             confidence,
             match_length,
             draft_seconds: started.elapsed().as_secs_f64(),
+            computed_context,
+            catch_up_seconds,
         })
     }
 }

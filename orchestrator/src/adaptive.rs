@@ -80,6 +80,11 @@ impl KPolicy {
         self.pricing = pricing;
     }
 
+    /// How this session's drafter is priced.
+    pub fn pricing(&self) -> DraftPricing {
+        self.pricing
+    }
+
     /// Estimated probability that a draft token of group `bucket` is accepted.
     pub fn alpha(&self, bucket: usize) -> f64 {
         self.accepted[bucket] / (self.accepted[bucket] + self.rejected[bucket])
@@ -281,7 +286,7 @@ mod tests {
         let mut policy = KPolicy::default();
         assert!(policy.worth_drafting(4, &c));
         // The first call also opens the connection and takes 50 ms.
-        c.record_draft(4, 0.05, false);
+        c.record_draft(4, 0.05, DraftPricing::PerCall, 0.0);
         assert!(
             policy.worth_drafting(4, &c),
             "one slow call priced asks out, so the drafter would never be asked again"

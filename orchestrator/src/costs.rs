@@ -22,6 +22,10 @@
 
 use std::sync::Mutex;
 
+use drafter::DrafterEstimate;
+
+mod drafter;
+
 /// Weight of the newest sample in the moving averages.
 const EMA_WEIGHT: f64 = 0.2;
 /// Most that one call's queue wait counts, in passes (a long stall says little about how
@@ -90,13 +94,10 @@ struct Costs {
     /// Seconds of a verifier call beyond its queue wait and forward pass (transport,
     /// serialisation, argmax or warping).
     round_trip: f64,
-    /// Seconds of one prompt-lookup call, and per token an LM drafter drafts (its whole
-    /// call over its drafts).
-    draft_call: f64,
-    draft_per_token: f64,
-    /// The pass count when each of those was last measured (see [`CostModel::try_pays`]).
-    draft_call_measured_at: u64,
-    draft_per_token_measured_at: u64,
+    /// Seconds of one prompt-lookup call, and per token an LM drafter drafts (its call less
+    /// its catch-up on context, over its drafts).
+    draft_call: DrafterEstimate,
+    draft_per_token: DrafterEstimate,
     /// Sessions in the verifier's recent passes, and other sequences' prompt tokens there.
     sessions: f64,
     others_prompt_tokens: f64,
@@ -117,10 +118,8 @@ impl Default for CostModel {
                 prior_base: 0.02,
                 prior_per_token: 0.0134,
                 round_trip: 0.0,
-                draft_call: 0.0005,
-                draft_per_token: 0.0,
-                draft_call_measured_at: 0,
-                draft_per_token_measured_at: 0,
+                draft_call: DrafterEstimate::prior(0.0005),
+                draft_per_token: DrafterEstimate::prior(0.0),
                 sessions: 1.0,
                 others_prompt_tokens: 0.0,
                 queued_passes: 0.0,
@@ -177,21 +176,28 @@ impl CostModel {
         }
     }
 
-    /// Records a drafter call that proposed `k` tokens in `seconds`. A call does the same
-    /// work each time and noise only slows it, so its estimate follows faster calls quickly
-    /// and slower ones slowly, as a lone sequence's pass does ([`drafter_estimate`]).
-    /// With a plain average, one slow call (the first, which also opens the connection, or
-    /// one that waited for a busy core) could price every later ask out: the drafter would
-    /// then never be asked again, its estimate never come back down, and sessions whose
-    /// drafts would pay decode plainly from then on.
-    pub fn record_draft(&self, k: usize, seconds: f64, per_token_drafter: bool) {
+    /// Records a drafter call that proposed `k` tokens in `seconds`, of which
+    /// `catch_up_seconds` went to computing context the drafter's cache lacked (an LM
+    /// drafter's, see [`DrafterEstimate`]). A call does the same work each time and noise
+    /// only slows it, so its estimate follows faster calls quickly and slower ones slowly,
+    /// as a lone sequence's pass does. With a plain average, one slow call (the first, which
+    /// also opens the connection, or one that waited for a busy core) could price every
+    /// later ask out: the drafter would then never be asked again, its estimate never come
+    /// back down, and sessions whose drafts would pay decode plainly from then on.
+    ///
+    /// An LM drafter is priced by its calls less their catch-up: about one token's worth
+    /// when its session asked at the previous step, the whole prompt on a session's first
+    /// ask, the tokens since its last ask after a pause. A session drafting step after step
+    /// does not pay for long catch-ups, and a first call that computed a prompt read 40 ms
+    /// a drafted token against a 3 ms pass (SmolLM2 drafting for itself, `drafter-svc`).
+    pub fn record_draft(&self, k: usize, seconds: f64, pricing: DraftPricing, catch_up_seconds: f64) {
         let mut c = self.lock();
-        if !per_token_drafter {
-            c.draft_call = drafter_estimate(c.draft_call, seconds);
-            c.draft_call_measured_at = c.passes;
+        let passes = c.passes;
+        if pricing == DraftPricing::PerCall {
+            c.draft_call.record(seconds, passes);
         } else if k > 0 {
-            c.draft_per_token = drafter_estimate(c.draft_per_token, seconds / k as f64);
-            c.draft_per_token_measured_at = c.passes;
+            let drafting = (seconds - catch_up_seconds).max(0.0);
+            c.draft_per_token.record(drafting / k as f64, passes);
         }
     }
 
@@ -207,18 +213,14 @@ impl CostModel {
 
     /// Whether a one-draft try kept with probability `alpha` would pay, as
     /// [`CostModel::relative_values`] prices it, except that a drafter price not measured for
-    /// [`STALE_AFTER`] passes counts as free. A try is what measures the drafter again: priced
-    /// by a call that was slow once (an LM drafter's first, which may find its model cold),
-    /// no try would ever pay, so no call would bring the price back down and the sessions
-    /// of that drafter would decode plainly for the rest of the process. A drafter that
-    /// really is dear costs one such call per [`STALE_AFTER`] passes.
+    /// a while counts as free (see [`DrafterEstimate`]): a try is what measures it again.
     pub fn try_pays(&self, alpha: f64, pricing: DraftPricing) -> bool {
         let c = self.lock();
-        let measured_at = match pricing {
-            DraftPricing::PerCall => c.draft_call_measured_at,
-            DraftPricing::PerToken => c.draft_per_token_measured_at,
+        let estimate = match pricing {
+            DraftPricing::PerCall => c.draft_call,
+            DraftPricing::PerToken => c.draft_per_token,
         };
-        let price = if c.passes - measured_at < STALE_AFTER {
+        let price = if estimate.trusted(c.passes) {
             c.draft_price(pricing)
         } else {
             DraftPrice::default()
@@ -234,7 +236,7 @@ impl CostModel {
         let c = self.lock();
         let curve = c.curve();
         let plain = c.step_seconds(&curve, 0, c.draft_price(DraftPricing::PerCall));
-        c.draft_call / plain.max(1e-12)
+        c.draft_call.seconds / plain.max(1e-12)
     }
 
     /// Forward-pass seconds for `n` tokens (as [`CostModel::relative_values`] prices it).
@@ -251,8 +253,8 @@ impl CostModel {
             let mut c = model.lock();
             c.prior_base = base;
             c.prior_per_token = per_token;
-            c.draft_call = 0.0;
-            c.draft_per_token = 0.0;
+            c.draft_call = DrafterEstimate::prior(0.0);
+            c.draft_per_token = DrafterEstimate::prior(0.0);
         }
         model
     }
@@ -260,7 +262,7 @@ impl CostModel {
     /// The same model with a drafter call that takes `seconds` (for tests of the policy).
     #[cfg(test)]
     pub(crate) fn with_draft_call(self, seconds: f64) -> Self {
-        self.lock().draft_call = seconds;
+        self.lock().draft_call = DrafterEstimate::prior(seconds);
         self
     }
 
@@ -281,12 +283,12 @@ impl Costs {
     fn draft_price(&self, pricing: DraftPricing) -> DraftPrice {
         match pricing {
             DraftPricing::PerCall => DraftPrice {
-                per_call: self.draft_call,
+                per_call: self.draft_call.seconds,
                 per_token: 0.0,
             },
             DraftPricing::PerToken => DraftPrice {
                 per_call: 0.0,
-                per_token: self.draft_per_token,
+                per_token: self.draft_per_token.seconds,
             },
         }
     }
@@ -467,20 +469,6 @@ fn undisturbed_estimate(old: f64, seconds: f64) -> f64 {
         PASS_WEIGHT_UP
     };
     old + weight * (seconds.min(OUTLIER_FACTOR * old) - old)
-}
-
-/// A drafter call's estimate moved by one more call: as [`undisturbed_estimate`], except
-/// that a call taking under `1 / OUTLIER_FACTOR` of the estimate replaces it. Noise only
-/// slows calls, so such a call shows that the estimate came from disturbed ones (the
-/// first call, which may find the drafter's model cold), and the drafter is asked too
-/// rarely after a dear estimate (one try per [`STALE_AFTER`] passes) to wait for the
-/// estimate to halve its way down.
-fn drafter_estimate(old: f64, seconds: f64) -> f64 {
-    if seconds * OUTLIER_FACTOR < old {
-        seconds
-    } else {
-        undisturbed_estimate(old, seconds)
-    }
 }
 
 #[cfg(test)]

@@ -530,7 +530,12 @@ impl Generator {
             }
         };
         totals.bytes_received += response.encoded_len() as u64;
-        self.costs.record_draft(response.tokens.len(), seconds, per_token);
+        self.costs.record_draft(
+            response.tokens.len(),
+            seconds,
+            session.policy.pricing(),
+            response.catch_up_seconds,
+        );
         let vocab = self.text.config.vocab_size;
         let qs: Result<Vec<SparseDist>, String> = response
             .q

@@ -325,7 +325,7 @@ fn drafts_beside_other_sequences_prompts_do_not_pay() {
 fn a_lone_session_prices_k_by_the_pass_curve_and_round_trip() {
     let model = cpu_curve();
     assert!(model.lock().round_trip.abs() < 1e-9);
-    let draft = model.lock().draft_call;
+    let draft = model.lock().draft_call.seconds;
     // Two drafts, both accepted (3 tokens) in an 11 ms pass plus the drafter call,
     // against 1 token in 10 ms.
     let values = model.relative_values(&[1.0, 2.0, 3.0], DraftPricing::PerCall);
@@ -356,27 +356,27 @@ fn the_round_trip_is_the_call_minus_queue_and_pass() {
 fn one_slow_drafter_call_moves_its_estimate_little_and_faster_calls_bring_it_back() {
     let model = cpu_curve();
     for _ in 0..40 {
-        model.record_draft(0, 0.0002, false);
+        model.record_draft(0, 0.0002, DraftPricing::PerCall, 0.0);
     }
-    let settled = model.lock().draft_call;
+    let settled = model.lock().draft_call.seconds;
     assert!((settled - 0.0002).abs() < 1e-6, "{settled}");
     // The connection's first call, or one that waited for a busy core: 100 times as long.
-    model.record_draft(0, 0.02, false);
-    let after = model.lock().draft_call;
+    model.record_draft(0, 0.02, DraftPricing::PerCall, 0.0);
+    let after = model.lock().draft_call.seconds;
     assert!(after <= settled * (1.0 + PASS_WEIGHT_UP) + 1e-12, "{after}");
-    model.record_draft(0, 0.0002, false);
+    model.record_draft(0, 0.0002, DraftPricing::PerCall, 0.0);
     assert!(
-        model.lock().draft_call < after,
+        model.lock().draft_call.seconds < after,
         "a normal call brings it down again"
     );
     // A drafter that really is slower is followed within a few dozen calls.
     for _ in 0..40 {
-        model.record_draft(0, 0.001, false);
+        model.record_draft(0, 0.001, DraftPricing::PerCall, 0.0);
     }
     assert!(
-        (model.lock().draft_call - 0.001).abs() < 5e-5,
+        (model.lock().draft_call.seconds - 0.001).abs() < 5e-5,
         "{}",
-        model.lock().draft_call
+        model.lock().draft_call.seconds
     );
 }
 
@@ -387,7 +387,7 @@ fn an_lm_drafters_price_per_token_does_not_land_on_prompt_lookups_drafts() {
     let before = model.relative_values(&expected, DraftPricing::PerCall);
     // Sessions with an LM drafter in the same process: 2 ms a drafted token.
     for _ in 0..60 {
-        model.record_draft(2, 0.004, true);
+        model.record_draft(2, 0.004, DraftPricing::PerToken, 0.0);
     }
     let lookup = model.relative_values(&expected, DraftPricing::PerCall);
     let lm = model.relative_values(&expected, DraftPricing::PerToken);
@@ -405,10 +405,10 @@ fn an_lm_drafters_price_per_token_does_not_land_on_prompt_lookups_drafts() {
 }
 
 #[test]
-fn an_lm_drafters_cold_first_call_is_measured_again_by_a_try() {
+fn a_dear_drafter_price_is_measured_again_by_a_try_less_and_less_often() {
     let model = cpu_curve();
     // The first call found the drafter's model cold: 200 ms for one token.
-    model.record_draft(1, 0.2, true);
+    model.record_draft(1, 0.2, DraftPricing::PerToken, 0.0);
     assert!(
         !model.try_pays(0.8, DraftPricing::PerToken),
         "fresh, that price rules tries out"
@@ -416,28 +416,43 @@ fn an_lm_drafters_cold_first_call_is_measured_again_by_a_try() {
     // Prompt lookup's price is its own.
     assert!(model.try_pays(0.8, DraftPricing::PerCall));
     // Plain steps go by; nothing measures the drafter.
-    for _ in 0..STALE_AFTER {
-        model.record_verify(pass(1, 10.0));
-    }
+    let plain_steps = |model: &CostModel, n: u64| {
+        for _ in 0..n {
+            model.record_verify(pass(1, 10.0));
+        }
+    };
+    plain_steps(&model, STALE_AFTER);
     assert!(
         model.try_pays(0.8, DraftPricing::PerToken),
         "a stale price does not block a try"
     );
     // The try's call is fast: it replaces the estimate, and drafts pay again.
-    model.record_draft(1, 0.0005, true);
-    assert!(model.try_pays(0.8, DraftPricing::PerToken));
+    model.record_draft(1, 0.0005, DraftPricing::PerToken, 0.0);
     let expected = [1.0, 1.8];
     let values = model.relative_values(&expected, DraftPricing::PerToken);
     assert!(values[1] > values[0], "{values:?}");
-    // A drafter that really is dear is priced so again by the try's call.
+    // A drafter that really is dear: the try's call finds it as dear, and the next try
+    // comes twice as late.
     let dear = cpu_curve();
-    for _ in 0..2 {
-        dear.record_draft(1, 0.2, true);
-        for _ in 0..STALE_AFTER {
-            dear.record_verify(pass(1, 10.0));
-        }
-    }
+    dear.record_draft(1, 0.2, DraftPricing::PerToken, 0.0);
+    plain_steps(&dear, STALE_AFTER);
     assert!(dear.try_pays(0.8, DraftPricing::PerToken));
-    dear.record_draft(1, 0.2, true);
+    dear.record_draft(1, 0.2, DraftPricing::PerToken, 0.0);
     assert!(!dear.try_pays(0.8, DraftPricing::PerToken));
+    plain_steps(&dear, STALE_AFTER);
+    assert!(!dear.try_pays(0.8, DraftPricing::PerToken));
+    plain_steps(&dear, STALE_AFTER);
+    assert!(dear.try_pays(0.8, DraftPricing::PerToken));
+}
+
+#[test]
+fn an_lm_drafters_catch_up_on_context_is_not_priced_as_drafting() {
+    let model = cpu_curve();
+    let expected = [1.0, 1.9, 2.7];
+    // A session's first ask: 80 ms computing its prompt, then two drafts at 2 ms each.
+    model.record_draft(2, 0.084, DraftPricing::PerToken, 0.080);
+    let priced = model.relative_values(&expected, DraftPricing::PerToken);
+    let want = 2.7 * 0.010 / (0.011 + 0.004);
+    assert!((priced[2] - want).abs() < 1e-3, "{} vs {want}", priced[2]);
+    assert!(priced[2] > 1.0, "drafting pays");
 }

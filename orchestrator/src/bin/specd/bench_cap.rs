@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use specd_drafter::NgramConfig;
 use specd_drafter::ngram::propose;
 use specd_orchestrator::adaptive::{KPolicy, bucket};
-use specd_orchestrator::costs::{CostModel, VerifyCall};
+use specd_orchestrator::costs::{CostModel, DraftPricing, VerifyCall};
 
 /// Pass sizes whose times a `bench spec` JSON records (1 to 9 tokens), beside its traces.
 pub const SAVED_PASS_SIZES: usize = 9;
@@ -100,10 +100,8 @@ pub fn policy_replay(
             ..VerifyCall::default()
         });
     }
-    // The drafter call's estimate follows faster calls quickly: enough free calls make it ~0.
-    for _ in 0..100 {
-        costs.record_draft(0, 0.0, false);
-    }
+    // Free drafting: a call under half the estimate replaces it.
+    costs.record_draft(0, 0.0, DraftPricing::PerCall, 0.0);
     let (mut tokens, mut seconds) = (0usize, 0f64);
     for trace in traces {
         let mut policy = KPolicy::default();
