@@ -80,11 +80,6 @@ impl KPolicy {
         self.pricing = pricing;
     }
 
-    /// How this session's drafter is priced.
-    pub fn pricing(&self) -> DraftPricing {
-        self.pricing
-    }
-
     /// Estimated probability that a draft token of group `bucket` is accepted.
     pub fn alpha(&self, bucket: usize) -> f64 {
         self.accepted[bucket] / (self.accepted[bucket] + self.rejected[bucket])

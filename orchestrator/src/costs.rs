@@ -216,11 +216,7 @@ impl CostModel {
     /// a while counts as free (see [`DrafterEstimate`]): a try is what measures it again.
     pub fn try_pays(&self, alpha: f64, pricing: DraftPricing) -> bool {
         let c = self.lock();
-        let estimate = match pricing {
-            DraftPricing::PerCall => c.draft_call,
-            DraftPricing::PerToken => c.draft_per_token,
-        };
-        let price = if estimate.trusted(c.passes) {
+        let price = if c.drafter(pricing).trusted(c.passes) {
             c.draft_price(pricing)
         } else {
             DraftPrice::default()
@@ -279,16 +275,25 @@ struct DraftPrice {
 }
 
 impl Costs {
+    /// The estimate of the drafter `pricing` prices.
+    fn drafter(&self, pricing: DraftPricing) -> DrafterEstimate {
+        match pricing {
+            DraftPricing::PerCall => self.draft_call,
+            DraftPricing::PerToken => self.draft_per_token,
+        }
+    }
+
     /// The measured price of drafting as `pricing` says.
     fn draft_price(&self, pricing: DraftPricing) -> DraftPrice {
+        let seconds = self.drafter(pricing).seconds;
         match pricing {
             DraftPricing::PerCall => DraftPrice {
-                per_call: self.draft_call.seconds,
+                per_call: seconds,
                 per_token: 0.0,
             },
             DraftPricing::PerToken => DraftPrice {
                 per_call: 0.0,
-                per_token: self.draft_per_token.seconds,
+                per_token: seconds,
             },
         }
     }

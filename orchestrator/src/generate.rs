@@ -485,11 +485,12 @@ impl Generator {
         // An LM drafter pays per token, so K is chosen before drafting; prompt lookup is
         // nearly free, so it proposes the most and K is chosen from what it found.
         let per_token = params.drafter == Drafter::Lm;
-        session.policy.set_pricing(if per_token {
+        let pricing = if per_token {
             DraftPricing::PerToken
         } else {
             DraftPricing::PerCall
-        });
+        };
+        session.policy.set_pricing(pricing);
         // No proposal could pay (a busy verifier, a session whose drafts fail): the drafter
         // is not asked, which spares its round trip and both processes' CPU.
         if !per_token && !params.fixed_k && !session.policy.worth_drafting(cap, &self.costs) {
@@ -530,12 +531,8 @@ impl Generator {
             }
         };
         totals.bytes_received += response.encoded_len() as u64;
-        self.costs.record_draft(
-            response.tokens.len(),
-            seconds,
-            session.policy.pricing(),
-            response.catch_up_seconds,
-        );
+        self.costs
+            .record_draft(response.tokens.len(), seconds, pricing, response.catch_up_seconds);
         let vocab = self.text.config.vocab_size;
         let qs: Result<Vec<SparseDist>, String> = response
             .q
