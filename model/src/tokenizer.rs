@@ -17,7 +17,8 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::{
-    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
+    AddedToken, DecodeStream, DecoderWrapper, ModelWrapper, NormalizerWrapper, PostProcessorWrapper,
+    PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
 
 use crate::config::{optional_bool, optional_usize, string};
@@ -149,9 +150,7 @@ impl TextTokenizer {
     /// An incremental decoder that emits text only once it forms complete UTF-8.
     pub fn stream_decoder(&self) -> StreamDecoder<'_> {
         StreamDecoder {
-            tokenizer: &self.inner,
-            ids: Vec::new(),
-            emitted: 0,
+            stream: self.inner.decode_stream(false),
         }
     }
 
@@ -187,26 +186,30 @@ impl TextTokenizer {
 }
 
 /// Decodes a growing id sequence into text deltas without splitting multi-byte characters.
+/// Each id costs the same however long the output is: the `tokenizers` crate's stream
+/// decoder keeps only the ids since the last complete character, with the text they had, and
+/// decodes that window (re-decoding the whole output on each id cost time in proportion to
+/// its length: `cargo bench -p specd-model --bench detokenize`).
 pub struct StreamDecoder<'a> {
-    tokenizer: &'a Tokenizer,
-    ids: Vec<u32>,
-    emitted: usize,
+    stream: DecodeStream<
+        'a,
+        ModelWrapper,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    >,
 }
 
 impl StreamDecoder<'_> {
-    /// Adds one id and returns the newly completed text (possibly empty).
+    /// Adds one id and returns the newly completed text (empty while a multi-byte character
+    /// is incomplete).
     pub fn push(&mut self, id: u32) -> Result<String> {
-        self.ids.push(id);
-        let text = self
-            .tokenizer
-            .decode(&self.ids, false)
+        let delta = self
+            .stream
+            .step(id)
             .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-        if text.ends_with('\u{FFFD}') {
-            return Ok(String::new()); // an incomplete UTF-8 sequence: wait for more bytes
-        }
-        let delta = text.get(self.emitted..).unwrap_or_default().to_string();
-        self.emitted = text.len();
-        Ok(delta)
+        Ok(delta.unwrap_or_default())
     }
 }
 
@@ -351,4 +354,60 @@ fn sentencepiece_bpe(tokens: &[String], content: &Content) -> Result<Tokenizer> 
     ]);
     tokenizer.with_decoder(Some(decoder));
     Ok(tokenizer)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A byte-level vocabulary (GPT-2's byte-to-character mapping): `a`, `b`, a space, the
+    /// two bytes of `é` (C3 A9, as `Ã` and `©`) alone and merged, and the four bytes of 😀
+    /// (F0 9F 98 80) as two halves.
+    const VOCAB: [&str; 8] = ["a", "b", "Ġ", "Ã", "©", "Ã©", "ðŁ", "ĺĢ"];
+
+    fn tokenizer() -> TextTokenizer {
+        let tokens: Vec<String> = VOCAB.iter().map(|t| t.to_string()).collect();
+        let merges = vec!["Ã ©".to_string()];
+        TextTokenizer {
+            inner: byte_level_bpe(&tokens, &merges, "default").unwrap(),
+            bos: None,
+            add_bos: false,
+            end_of_generation: Vec::new(),
+            identity: String::new(),
+            vocab_size: tokens.len(),
+        }
+    }
+
+    fn stream(tokenizer: &TextTokenizer, ids: &[u32]) -> Vec<String> {
+        let mut decoder = tokenizer.stream_decoder();
+        ids.iter().map(|&id| decoder.push(id).unwrap()).collect()
+    }
+
+    #[test]
+    fn deltas_wait_for_whole_characters_and_spell_the_decode() {
+        let tokenizer = tokenizer();
+        // a, é split in two bytes, a space, 😀 in two halves, é whole, b.
+        let ids = [0, 3, 4, 2, 6, 7, 5, 1];
+        assert_eq!(stream(&tokenizer, &ids), ["a", "", "é", " ", "", "😀", "é", "b"]);
+        assert_eq!(tokenizer.decode(&ids).unwrap(), "aé 😀éb");
+    }
+
+    proptest! {
+        /// Any id sequence, invalid UTF-8 included (a lone continuation byte, a character cut
+        /// short): the deltas spell what decoding all the ids at once gives, but for an
+        /// incomplete character at the end, which is held back.
+        #[test]
+        fn deltas_spell_the_whole_decode(ids in proptest::collection::vec(0u32..8, 0..40)) {
+            let tokenizer = tokenizer();
+            let streamed: String = stream(&tokenizer, &ids).concat();
+            let whole = tokenizer.decode(&ids).unwrap();
+            if whole.ends_with('\u{FFFD}') {
+                prop_assert!(whole.starts_with(&streamed), "{streamed:?} vs {whole:?}");
+            } else {
+                prop_assert_eq!(streamed, whole);
+            }
+        }
+    }
 }

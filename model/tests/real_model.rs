@@ -83,9 +83,14 @@ fn tokenizer_matches_llama_cpp_on_every_fixture_string() {
         mismatches.len(),
         mismatches.join("\n")
     );
-    // Decoding round-trips every case.
+    // Decoding round-trips every case, at once and streamed id by id (as generation streams
+    // text): the deltas spell the text and never hold half a character.
     for case in &fixture.cases {
         assert_eq!(tokenizer.decode(&case.ids).unwrap(), case.text);
+        let mut decoder = tokenizer.stream_decoder();
+        let deltas: Vec<String> = case.ids.iter().map(|&id| decoder.push(id).unwrap()).collect();
+        assert_eq!(deltas.concat(), case.text, "{deltas:?}");
+        assert!(!deltas.iter().any(|d| d.contains('\u{FFFD}')), "{deltas:?}");
     }
 }
 
