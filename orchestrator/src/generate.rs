@@ -45,6 +45,14 @@ pub struct Generator {
     max_concurrent_requests: usize,
 }
 
+/// Where a request's first step (prompt processing) left its clock and totals.
+struct FirstStep {
+    seconds: f64,
+    tokens: usize,
+    forward_seconds: f64,
+    draft_seconds: f64,
+}
+
 /// Running totals of one request.
 #[derive(Default)]
 struct Totals {
@@ -229,8 +237,8 @@ impl Generator {
         let mut text = String::new();
         let mut finish = pb::FinishReason::Length;
         let mut k_sum = 0usize;
-        // Time and tokens of the first step (prompt processing), excluded from decode speed.
-        let mut first_step: Option<(f64, usize)> = None;
+        // The first step (prompt processing), excluded from decode speed.
+        let mut first_step: Option<FirstStep> = None;
         let mut step = 0u32;
         'steps: while generated.len() < max_tokens {
             step += 1;
@@ -397,7 +405,12 @@ impl Generator {
                 }
             }
             if first_step.is_none() {
-                first_step = Some((started.elapsed().as_secs_f64(), generated.len()));
+                first_step = Some(FirstStep {
+                    seconds: started.elapsed().as_secs_f64(),
+                    tokens: generated.len(),
+                    forward_seconds: totals.forward_seconds,
+                    draft_seconds: totals.draft_seconds,
+                });
             }
             if !emit(sink, chunk).await {
                 finish = pb::FinishReason::Unspecified; // the client went away
@@ -420,7 +433,14 @@ impl Generator {
         }
         let decode_seconds = started.elapsed().as_secs_f64();
         observe::request(generated.len(), totals.proposed, totals.accepted);
-        let (ttft, first_tokens) = first_step.unwrap_or((decode_seconds, generated.len()));
+        // A generation that ended in its first step has no decode phase.
+        let first = first_step.unwrap_or(FirstStep {
+            seconds: decode_seconds,
+            tokens: generated.len(),
+            forward_seconds: totals.forward_seconds,
+            draft_seconds: totals.draft_seconds,
+        });
+        let (ttft, first_tokens) = (first.seconds, first.tokens);
         let later_tokens = generated.len().saturating_sub(first_tokens);
         let stats = pb::SpeculationStats {
             proposed: totals.proposed,
@@ -449,6 +469,8 @@ impl Generator {
             mean_batch_size: totals.batch_size_sum as f64 / f64::from(totals.verifier_calls.max(1)),
             verifier_queue_seconds: totals.queue_seconds,
             verifier_forward_seconds: totals.forward_seconds,
+            decode_forward_seconds: totals.forward_seconds - first.forward_seconds,
+            decode_draft_seconds: totals.draft_seconds - first.draft_seconds,
             mean_k: if totals.drafted_steps == 0 {
                 0.0
             } else {

@@ -88,11 +88,23 @@ struct ModeResult {
     drafted_steps: f64,
     bytes: u64,
     identical_to_plain: bool,
+    /// Of `decode_seconds`, the verifier's forward passes and the drafter's calls.
+    forward_seconds: f64,
+    draft_seconds: f64,
 }
 
 impl ModeResult {
     fn tok_s(&self) -> f64 {
         self.decode_tokens / self.decode_seconds.max(1e-9)
+    }
+
+    /// Where a decode-phase token's time goes, in microseconds: the verifier's forward
+    /// passes, drafting, and everything else (acceptance, detokenising, the verifier call's
+    /// hand-off or transport).
+    fn time_per_token_us(&self) -> [f64; 3] {
+        let per_token = 1e6 / self.decode_tokens.max(1.0);
+        let other = (self.decode_seconds - self.forward_seconds - self.draft_seconds).max(0.0);
+        [self.forward_seconds, self.draft_seconds, other].map(|seconds| seconds * per_token)
     }
 }
 
@@ -212,6 +224,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 result.accepted += u64::from(s.accepted);
                 result.verifier_calls += u64::from(s.verifier_calls);
                 result.bytes += s.bytes_sent + s.bytes_received;
+                result.forward_seconds += s.decode_forward_seconds;
+                result.draft_seconds += s.decode_draft_seconds;
                 if s.mean_k > 0.0 {
                     let drafted_steps = f64::from(s.proposed) / s.mean_k;
                     result.drafted_k_sum += f64::from(s.proposed);
@@ -300,8 +314,19 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
 
 fn print_table(all: &[(String, Vec<ModeResult>)]) {
     println!(
-        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9}",
-        "workload", "mode", "tok/s", "speedup", "accept", "tok/call", "mean K", "B/step", "= plain"
+        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "workload",
+        "mode",
+        "tok/s",
+        "speedup",
+        "accept",
+        "tok/call",
+        "mean K",
+        "B/step",
+        "= plain",
+        "pass us",
+        "draft us",
+        "other us"
     );
     for (name, results) in all {
         let plain = results[0].tok_s();
@@ -316,8 +341,9 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
             } else {
                 "-".into()
             };
+            let [pass_us, draft_us, other_us] = r.time_per_token_us();
             println!(
-                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9}",
+                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9} {:>9.0} {:>9.0} {:>9.0}",
                 name,
                 r.mode,
                 r.tok_s(),
@@ -333,6 +359,9 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
                 } else {
                     "NO"
                 },
+                pass_us,
+                draft_us,
+                other_us,
             );
         }
     }
@@ -340,7 +369,31 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
 
 #[cfg(test)]
 mod tests {
-    use super::mode_order;
+    use super::{ModeResult, mode_order};
+
+    #[test]
+    fn a_decode_tokens_time_splits_into_passes_drafting_and_the_rest() {
+        let r = ModeResult {
+            decode_tokens: 100.0,
+            decode_seconds: 0.5,
+            forward_seconds: 0.4,
+            draft_seconds: 0.01,
+            ..ModeResult::default()
+        };
+        let [pass, draft, other] = r.time_per_token_us();
+        assert!(
+            (pass - 4000.0).abs() < 1e-6 && (draft - 100.0).abs() < 1e-6,
+            "{pass} {draft}"
+        );
+        assert!((other - 900.0).abs() < 1e-6, "{other}");
+        // Clock skew between the verifier's and the orchestrator's timings leaves no negative
+        // remainder.
+        let skewed = ModeResult {
+            forward_seconds: 0.6,
+            ..r
+        };
+        assert_eq!(skewed.time_per_token_us()[2], 0.0);
+    }
 
     #[test]
     fn odd_repetitions_run_the_modes_in_reverse() {

@@ -243,6 +243,8 @@ fn response_json(r: &pb::GenerateResponse) -> serde_json::Value {
             "mean_batch_size": s.mean_batch_size,
             "verifier_queue_seconds": s.verifier_queue_seconds,
             "verifier_forward_seconds": s.verifier_forward_seconds,
+            "decode_forward_seconds": s.decode_forward_seconds,
+            "decode_draft_seconds": s.decode_draft_seconds,
             "retries": s.retries,
             "failovers": s.failovers,
         },
