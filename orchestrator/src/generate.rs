@@ -51,6 +51,7 @@ struct FirstStep {
     tokens: usize,
     forward_seconds: f64,
     draft_seconds: f64,
+    verify_seconds: f64,
 }
 
 /// Running totals of one request.
@@ -410,6 +411,7 @@ impl Generator {
                     tokens: generated.len(),
                     forward_seconds: totals.forward_seconds,
                     draft_seconds: totals.draft_seconds,
+                    verify_seconds: totals.verify_seconds,
                 });
             }
             if !emit(sink, chunk).await {
@@ -439,6 +441,7 @@ impl Generator {
             tokens: generated.len(),
             forward_seconds: totals.forward_seconds,
             draft_seconds: totals.draft_seconds,
+            verify_seconds: totals.verify_seconds,
         });
         let (ttft, first_tokens) = (first.seconds, first.tokens);
         let later_tokens = generated.len().saturating_sub(first_tokens);
@@ -471,6 +474,7 @@ impl Generator {
             verifier_forward_seconds: totals.forward_seconds,
             decode_forward_seconds: totals.forward_seconds - first.forward_seconds,
             decode_draft_seconds: totals.draft_seconds - first.draft_seconds,
+            decode_verify_seconds: totals.verify_seconds - first.verify_seconds,
             mean_k: if totals.drafted_steps == 0 {
                 0.0
             } else {

@@ -192,6 +192,8 @@ async fn stats_report_the_verifier_passes_a_request_shared() {
     // The decode phase's passes: every step's but the first (which computed the prompt).
     assert!(alone.decode_forward_seconds > 0.0);
     assert!(alone.decode_forward_seconds < alone.verifier_forward_seconds);
+    assert!(alone.decode_forward_seconds <= alone.decode_verify_seconds);
+    assert!(alone.decode_verify_seconds < alone.verify_seconds);
     assert_eq!(alone.decode_draft_seconds, 0.0, "plain decoding never drafts");
     // Each of its steps waited the 100 ms for company that never came.
     let waited = alone.verifier_queue_seconds / f64::from(alone.verifier_calls);

@@ -88,8 +88,10 @@ struct ModeResult {
     drafted_steps: f64,
     bytes: u64,
     identical_to_plain: bool,
-    /// Of `decode_seconds`, the verifier's forward passes and the drafter's calls.
+    /// Of `decode_seconds`, the verifier's forward passes, its calls (passes included) and
+    /// the drafter's calls.
     forward_seconds: f64,
+    verify_seconds: f64,
     draft_seconds: f64,
 }
 
@@ -99,12 +101,14 @@ impl ModeResult {
     }
 
     /// Where a decode-phase token's time goes, in microseconds: the verifier's forward
-    /// passes, drafting, and everything else (acceptance, detokenising, the verifier call's
-    /// hand-off or transport).
-    fn time_per_token_us(&self) -> [f64; 3] {
+    /// passes, the rest of its calls (the hand-off to the engine and back, or transport and
+    /// queue), drafting, and the orchestrator's own work (acceptance, detokenising, stop
+    /// strings).
+    fn time_per_token_us(&self) -> [f64; 4] {
         let per_token = 1e6 / self.decode_tokens.max(1.0);
-        let other = (self.decode_seconds - self.forward_seconds - self.draft_seconds).max(0.0);
-        [self.forward_seconds, self.draft_seconds, other].map(|seconds| seconds * per_token)
+        let call = (self.verify_seconds - self.forward_seconds).max(0.0);
+        let own = (self.decode_seconds - self.verify_seconds - self.draft_seconds).max(0.0);
+        [self.forward_seconds, call, self.draft_seconds, own].map(|seconds| seconds * per_token)
     }
 }
 
@@ -225,6 +229,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 result.verifier_calls += u64::from(s.verifier_calls);
                 result.bytes += s.bytes_sent + s.bytes_received;
                 result.forward_seconds += s.decode_forward_seconds;
+                result.verify_seconds += s.decode_verify_seconds;
                 result.draft_seconds += s.decode_draft_seconds;
                 if s.mean_k > 0.0 {
                     let drafted_steps = f64::from(s.proposed) / s.mean_k;
@@ -314,7 +319,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
 
 fn print_table(all: &[(String, Vec<ModeResult>)]) {
     println!(
-        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "workload",
         "mode",
         "tok/s",
@@ -325,8 +330,9 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
         "B/step",
         "= plain",
         "pass us",
+        "call us",
         "draft us",
-        "other us"
+        "own us"
     );
     for (name, results) in all {
         let plain = results[0].tok_s();
@@ -341,9 +347,9 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
             } else {
                 "-".into()
             };
-            let [pass_us, draft_us, other_us] = r.time_per_token_us();
+            let [pass_us, call_us, draft_us, own_us] = r.time_per_token_us();
             println!(
-                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9} {:>9.0} {:>9.0} {:>9.0}",
+                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
                 name,
                 r.mode,
                 r.tok_s(),
@@ -360,8 +366,9 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
                     "NO"
                 },
                 pass_us,
+                call_us,
                 draft_us,
-                other_us,
+                own_us,
             );
         }
     }
@@ -372,27 +379,28 @@ mod tests {
     use super::{ModeResult, mode_order};
 
     #[test]
-    fn a_decode_tokens_time_splits_into_passes_drafting_and_the_rest() {
+    fn a_decode_tokens_time_splits_into_passes_calls_drafting_and_the_rest() {
         let r = ModeResult {
             decode_tokens: 100.0,
             decode_seconds: 0.5,
             forward_seconds: 0.4,
+            verify_seconds: 0.43,
             draft_seconds: 0.01,
             ..ModeResult::default()
         };
-        let [pass, draft, other] = r.time_per_token_us();
-        assert!(
-            (pass - 4000.0).abs() < 1e-6 && (draft - 100.0).abs() < 1e-6,
-            "{pass} {draft}"
-        );
-        assert!((other - 900.0).abs() < 1e-6, "{other}");
+        let us = r.time_per_token_us();
+        for (got, want) in us.iter().zip([4000.0, 300.0, 100.0, 600.0]) {
+            assert!((got - want).abs() < 1e-6, "{us:?}");
+        }
         // Clock skew between the verifier's and the orchestrator's timings leaves no negative
         // remainder.
         let skewed = ModeResult {
             forward_seconds: 0.6,
+            verify_seconds: 0.55,
             ..r
         };
-        assert_eq!(skewed.time_per_token_us()[2], 0.0);
+        let [_, call, _, own] = skewed.time_per_token_us();
+        assert_eq!((call, own), (0.0, 0.0));
     }
 
     #[test]

@@ -245,6 +245,7 @@ fn response_json(r: &pb::GenerateResponse) -> serde_json::Value {
             "verifier_forward_seconds": s.verifier_forward_seconds,
             "decode_forward_seconds": s.decode_forward_seconds,
             "decode_draft_seconds": s.decode_draft_seconds,
+            "decode_verify_seconds": s.decode_verify_seconds,
             "retries": s.retries,
             "failovers": s.failovers,
         },
