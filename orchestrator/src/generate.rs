@@ -54,6 +54,20 @@ struct FirstStep {
     verify_seconds: f64,
 }
 
+impl FirstStep {
+    /// The clock (`seconds` since the request started), the tokens generated and the
+    /// running totals as the first step leaves them.
+    fn at(seconds: f64, tokens: usize, totals: &Totals) -> Self {
+        Self {
+            seconds,
+            tokens,
+            forward_seconds: totals.forward_seconds,
+            draft_seconds: totals.draft_seconds,
+            verify_seconds: totals.verify_seconds,
+        }
+    }
+}
+
 /// Running totals of one request.
 #[derive(Default)]
 struct Totals {
@@ -406,13 +420,11 @@ impl Generator {
                 }
             }
             if first_step.is_none() {
-                first_step = Some(FirstStep {
-                    seconds: started.elapsed().as_secs_f64(),
-                    tokens: generated.len(),
-                    forward_seconds: totals.forward_seconds,
-                    draft_seconds: totals.draft_seconds,
-                    verify_seconds: totals.verify_seconds,
-                });
+                first_step = Some(FirstStep::at(
+                    started.elapsed().as_secs_f64(),
+                    generated.len(),
+                    &totals,
+                ));
             }
             if !emit(sink, chunk).await {
                 finish = pb::FinishReason::Unspecified; // the client went away
@@ -436,13 +448,7 @@ impl Generator {
         let decode_seconds = started.elapsed().as_secs_f64();
         observe::request(generated.len(), totals.proposed, totals.accepted);
         // A generation that ended in its first step has no decode phase.
-        let first = first_step.unwrap_or(FirstStep {
-            seconds: decode_seconds,
-            tokens: generated.len(),
-            forward_seconds: totals.forward_seconds,
-            draft_seconds: totals.draft_seconds,
-            verify_seconds: totals.verify_seconds,
-        });
+        let first = first_step.unwrap_or_else(|| FirstStep::at(decode_seconds, generated.len(), &totals));
         let (ttft, first_tokens) = (first.seconds, first.tokens);
         let later_tokens = generated.len().saturating_sub(first_tokens);
         let stats = pb::SpeculationStats {
