@@ -15,7 +15,7 @@ use crate::kv_cache::KeyLayout;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use tiles::exp16;
+pub(crate) use tiles::{exp8, exp16};
 
 /// Shapes of one attention call.
 pub struct AttentionShape {

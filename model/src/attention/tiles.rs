@@ -27,6 +27,8 @@ use half::f16;
 
 mod avx2;
 
+pub(crate) use avx2::exp8;
+
 use super::{AttentionShape, EXP_LN2_HI, EXP_LN2_LO, EXP_TAYLOR, SequenceAttention};
 use crate::kernels::SendPtr;
 use crate::kv_cache::KEY_TILE;

@@ -220,16 +220,32 @@ pub(super) fn silu_mul_rows(gate: &mut [f32], up: &[f32], width: usize) {
     });
 }
 
-/// `gate = silu(gate) · up`, with the attention's `exp` (16 lanes at a time with AVX-512: the
-/// same polynomial and operations, so the same results).
+/// `gate = silu(gate) · up`, with the attention's `exp` (16 lanes at a time with AVX-512, 8
+/// with AVX2: the same polynomial and operations, so the same results).
 fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    silu_mul_with(Kernel::detect(), gate, up);
+}
+
+/// [`silu_mul`] with the vector path of `kernel` (which this CPU must support).
+fn silu_mul_with(kernel: Kernel, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if Kernel::detect().has_avx512() {
-        // SAFETY: the CPU has AVX-512 F and FMA (detected); lengths are equal (checked).
-        done = unsafe { silu_mul_avx512(gate, up) };
-    }
+    // SAFETY: the CPU has the features of the path taken (the caller's contract); lengths
+    // are equal (checked).
+    let done = unsafe {
+        if kernel.has_avx512() {
+            silu_mul_avx512(gate, up)
+        } else if kernel == Kernel::Avx2 {
+            silu_mul_avx2(gate, up)
+        } else {
+            0
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = {
+        let _ = kernel;
+        0
+    };
     for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
         *g = *g / (1.0 + crate::attention::exp(-*g)) * u;
     }
@@ -257,6 +273,28 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) -> usize {
     whole
 }
 
+/// [`silu_mul`] on the multiples of 8 values; returns how many it did.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `up` must be as long as `gate`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) -> usize {
+    use std::arch::x86_64::*;
+    let whole = gate.len() / 8 * 8;
+    for at in (0..whole).step_by(8) {
+        // SAFETY: 8 values at `at` in both (lengths checked by the caller).
+        unsafe {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(at));
+            let e = crate::attention::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            let silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+            let product = _mm256_mul_ps(silu, _mm256_loadu_ps(up.as_ptr().add(at)));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(at), product);
+        }
+    }
+    whole
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,20 +313,31 @@ mod tests {
             .collect()
     }
 
+    /// Every path this CPU can run: the detected one, and AVX2 where AVX-512 was found.
+    fn kernels_here() -> Vec<Kernel> {
+        let mut kernels = vec![Kernel::detect(), Kernel::Portable];
+        if Kernel::detect().has_avx512() {
+            kernels.push(Kernel::Avx2);
+        }
+        kernels
+    }
+
     #[test]
     fn silu_mul_gives_the_scalar_formula_bit_for_bit() {
         // 16-lane chunks and a tail, over the range where exp saturates both ways.
         let gate: Vec<f32> = (0..83).map(|i| (i as f32 - 41.0) * 2.3).collect();
         let up: Vec<f32> = (0..83).map(|i| 0.5 + i as f32 * 0.01).collect();
-        let mut got = gate.clone();
-        silu_mul(&mut got, &up);
-        for (i, ((&g, &u), &v)) in gate.iter().zip(&up).zip(&got).enumerate() {
-            let want = g / (1.0 + crate::attention::exp(-g)) * u;
-            assert_eq!(
-                v.to_bits(),
-                want.to_bits(),
-                "[{i}] silu({g}) · {u}: {v} vs {want}"
-            );
+        for kernel in kernels_here() {
+            let mut got = gate.clone();
+            silu_mul_with(kernel, &mut got, &up);
+            for (i, ((&g, &u), &v)) in gate.iter().zip(&up).zip(&got).enumerate() {
+                let want = g / (1.0 + crate::attention::exp(-g)) * u;
+                assert_eq!(
+                    v.to_bits(),
+                    want.to_bits(),
+                    "{kernel:?} [{i}] silu({g}) · {u}: {v} vs {want}"
+                );
+            }
         }
     }
 
@@ -323,12 +372,7 @@ mod tests {
             for head in want.chunks_exact_mut(head_dim) {
                 rotate_pairs(head, 0..rope_dim / 2, &cos, &sin);
             }
-            // Every path this CPU can run: the detected one, and AVX2 where AVX-512 was found.
-            let mut kernels = vec![Kernel::detect(), Kernel::Portable];
-            if Kernel::detect().has_avx512() {
-                kernels.push(Kernel::Avx2);
-            }
-            for kernel in kernels {
+            for kernel in kernels_here() {
                 let mut got = row.clone();
                 rotate_with(kernel, &mut got, head_dim, rope_dim, &cos, &sin);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {

@@ -31,7 +31,7 @@ const VALUE_ROWS: usize = 3;
 /// [`super::super::exp`] on 8 lanes (the same polynomial and operations).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn exp8(x: __m256) -> __m256 {
+pub(crate) fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(87.0));
     const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     let n = _mm256_round_ps::<NEAREST>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
