@@ -324,7 +324,7 @@ mod tests {
 
     #[test]
     fn silu_mul_gives_the_scalar_formula_bit_for_bit() {
-        // 16-lane chunks and a tail, over the range where exp saturates both ways.
+        // 16- and 8-lane chunks and a tail, over the range where exp saturates both ways.
         let gate: Vec<f32> = (0..83).map(|i| (i as f32 - 41.0) * 2.3).collect();
         let up: Vec<f32> = (0..83).map(|i| 0.5 + i as f32 * 0.01).collect();
         for kernel in kernels_here() {
