@@ -1,7 +1,8 @@
 //! `cargo bench -p specd-model --bench kernels`: the cost of multiplying m activation rows
 //! by a model's worth of quantized weights, for m = 1..16, 32 and 64 (a prompt chunk), on one
 //! thread (`SPECD_BENCH_THREADS` sets another count: the verifier runs on every core by
-//! default). It is the curve that decides what speculation and batching can gain: scoring
+//! default; `SPECD_BENCH_ROWS=1,8` measures only those row counts, the first the base of the
+//! ratios). It is the curve that decides what speculation and batching can gain: scoring
 //! K + 1 tokens (or K + 1 sessions) in one pass pays only as far as an extra row costs less
 //! than a whole pass; beyond 16 rows (one row tile) it is what a prompt token costs.
 //!
@@ -61,6 +62,13 @@ fn main() {
     let threads = env("SPECD_BENCH_THREADS", 1).max(1);
     specd_model::set_compute_threads(threads);
     let reps = env("SPECD_BENCH_REPS", 15);
+    let rows: Vec<usize> = match std::env::var("SPECD_BENCH_ROWS") {
+        Ok(list) => list
+            .split(',')
+            .map(|m| m.trim().parse().expect("SPECD_BENCH_ROWS: row counts, e.g. 1,8"))
+            .collect(),
+        Err(_) => ROWS.to_vec(),
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let layers: Vec<[QuantMatrix; 3]> = (0..LAYERS)
         .map(|_| {
@@ -90,7 +98,7 @@ fn main() {
         "quantise ms"
     );
     let mut base: Option<(f64, f64, f64)> = None;
-    for m in ROWS {
+    for m in rows {
         let x_hidden = random(m * HIDDEN, &mut rng);
         let x_ffn = random(m * FFN, &mut rng);
         let (mut hidden_rows, mut ffn_rows) = (QuantizedRows::default(), QuantizedRows::default());

@@ -328,30 +328,23 @@ impl QuantMatrix {
     /// one value per weight row of the tile. Per row, not per value: this runs for every
     /// output of every product, so the layout's choice and the flag stay out of the loop.
     fn store_tile_row(&self, tile: &[f32; MAX_TILE], t: usize, dst: &mut [f32], accumulate: bool) {
-        match (self.layout, accumulate) {
-            // The tile layout's kernels leave each activation row's values contiguous.
-            // A full tile row is a fixed-size copy (one vector move, not a call to memmove).
-            (Layout::Tiles, false) if dst.len() == TILE_COLS => {
-                let row: &[f32; TILE_COLS] =
-                    tile[t * TILE_COLS..][..TILE_COLS].try_into().expect("a tile row");
-                <&mut [f32; TILE_COLS]>::try_from(dst)
-                    .expect("a tile row")
-                    .copy_from_slice(row);
-            }
-            (Layout::Tiles, false) => dst.copy_from_slice(&tile[t * TILE_COLS..][..dst.len()]),
-            (Layout::Tiles, true) => {
-                for (d, &v) in dst.iter_mut().zip(&tile[t * TILE_COLS..]) {
+        // Every kernel leaves each activation row's values contiguous, a tile's width apart.
+        let (col_tile, _) = self.tile_shape();
+        let row = &tile[t * col_tile..][..dst.len()];
+        /// A full tile row as a fixed-size copy (vector moves, not a call to memmove).
+        fn copy_full<const N: usize>(dst: &mut [f32], row: &[f32]) {
+            let row: &[f32; N] = row.try_into().expect("a tile row");
+            <&mut [f32; N]>::try_from(dst)
+                .expect("a tile row")
+                .copy_from_slice(row);
+        }
+        match (accumulate, dst.len()) {
+            (false, TILE_COLS) => copy_full::<TILE_COLS>(dst, row),
+            (false, COL_TILE) => copy_full::<COL_TILE>(dst, row),
+            (false, _) => dst.copy_from_slice(row),
+            (true, _) => {
+                for (d, &v) in dst.iter_mut().zip(row) {
                     *d += v;
-                }
-            }
-            (_, false) => {
-                for (c, d) in dst.iter_mut().enumerate() {
-                    *d = tile[c * ROW_TILE + t];
-                }
-            }
-            (_, true) => {
-                for (c, d) in dst.iter_mut().enumerate() {
-                    *d += tile[c * ROW_TILE + t];
                 }
             }
         }
@@ -375,14 +368,11 @@ impl QuantMatrix {
     }
 
     /// Where a kernel call leaves the product of weight row `c` and activation row `t` of
-    /// its tile: the tile layout's kernels write activation rows, the others weight rows (as
+    /// its tile: activation row after activation row, each a tile's width of weight rows (as
     /// `store_tile_row` reads them).
     #[cfg(test)]
     fn tile_index(&self, c: usize, t: usize) -> usize {
-        match self.layout {
-            Layout::Tiles => t * TILE_COLS + c,
-            _ => c * ROW_TILE + t,
-        }
+        t * self.tile_shape().0 + c
     }
 
     /// Dot products of weight rows `j0..j0 + cols` with activation rows `r0..r0 + count`
@@ -488,7 +478,9 @@ impl QuantMatrix {
         let mut column = [0f32; ROW_TILE];
         for c in 0..cols {
             self.column(j0 + c, x, r0, count, &mut column);
-            out[c * ROW_TILE..c * ROW_TILE + count].copy_from_slice(&column[..count]);
+            for (t, &value) in column[..count].iter().enumerate() {
+                out[t * COL_TILE + c] = value;
+            }
         }
     }
 

@@ -39,7 +39,7 @@ fn fold_slots(m: &[__m256i; 8]) -> (__m256i, __m256i) {
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0) or
 /// per 16 values (`HALVES` = 2, Q6_K), for weight rows `4 · group .. 4 · group + 4` and
-/// activation rows `r0..r0 + R`, into `out[c * ROW_TILE + t]`.
+/// activation rows `r0..r0 + R`, into `out[t * COL_TILE + c]`.
 ///
 /// A record's 8 blocks ("slots" s = 2 · weight row + block) are read once per call and
 /// their magnitudes kept for all R rows. Per row, each slot's 32 products are `maddubs`
@@ -126,7 +126,7 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = lanes[2 * c] + lanes[2 * c + 1];
+            out[t * COL_TILE + c] = lanes[2 * c] + lanes[2 * c + 1];
         }
     }
 }

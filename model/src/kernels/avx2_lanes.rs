@@ -73,7 +73,7 @@ unsafe fn record_dot(weights: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i
 
 /// 4-bit weights (`scale · q + min`) × int8 activations, for weight rows
 /// `4 · group .. 4 · group + 4` and activation rows `r0..r0 + R` (a whole row tile), into
-/// `out[c * ROW_TILE + t]`. A record is unpacked once into eight registers for all R
+/// `out[t * COL_TILE + c]`. A record is unpacked once into eight registers for all R
 /// rows, then each activation row takes both halves' products in turn, so only its two sums
 /// are live beside the weights and the accumulators (with 8 rows some accumulators live in
 /// memory, which costs less than unpacking the record twice: `cargo bench -p specd-model
@@ -143,7 +143,7 @@ pub unsafe fn q4_lanes<const R: usize>(
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = (lanes[LANE[c]] + lanes[LANE[c] + 1]) + mins[t][c];
+            out[t * COL_TILE + c] = (lanes[LANE[c]] + lanes[LANE[c] + 1]) + mins[t][c];
         }
     }
 }

@@ -16,7 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::groups::{check, check_lanes, prefetch};
-use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
+use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows};
 
 /// One record's integer dot products with activation row `r`'s pair `p`: lane 4c + 2h + l
 /// holds Σ over values 16l..16l + 16 of block 2p + h, weight row c. `start` is the initial
@@ -116,7 +116,7 @@ pub unsafe fn q6k_lanes<const R: usize>(
     for t in 0..R {
         let sums = lane_sums(acc[t]);
         for c in 0..COL_TILE {
-            out[c * ROW_TILE + t] = sums[4 * c];
+            out[t * COL_TILE + c] = sums[4 * c];
         }
     }
 }
