@@ -81,8 +81,10 @@ enum Layout {
     /// For the AVX2 kernels of 8-bit weights: groups of [`COL_TILE`] rows (zero-padded), and
     /// within a group each pair of blocks of all its rows together (a record), so the kernel
     /// reads one sequential stream. Per record: the rows' quants (the two blocks' 64 bytes per
-    /// row), then `[row][block]` f16 scales (Q6_K: `[row][block][half]`). The metadata
-    /// layout, with `[row][block]` minimums for 4-bit weights, is also [`Layout::Lanes`]'s.
+    /// row), placed as in [`Layout::Lanes`] but signed (AVX2's `maddubs` takes the weights'
+    /// magnitudes and moves their signs to the activations), then `[row][block]` f16 scales
+    /// (Q6_K: `[row][block][half]`). The metadata layout, with `[row][block]` minimums for
+    /// 4-bit weights, is also [`Layout::Lanes`]'s.
     Groups,
     /// For the AVX-512 kernel of Q6_K weights, and the AVX2 kernel of 4-bit weights (which
     /// reads each 64-byte register as two 256-bit halves): the records of [`Layout::Groups`], with the 8 blocks of a

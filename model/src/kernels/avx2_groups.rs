@@ -1,55 +1,85 @@
 //! AVX2 kernels for 8-bit weights over the grouped layout (see `Layout::Groups`; 4-bit
 //! weights use the lane layout, `avx2_lanes`): one sequential, prefetched weight stream per
-//! group of 4 weight rows, one 32-value block per 256-bit register (`maddubs` products),
-//! the eight blocks of a record folded into one register of lanes per activation row (see
-//! [`q8_group`]). Each output element's arithmetic is the same whatever the number of rows,
-//! so results are batch-invariant. Also the AVX2 activation quantiser.
+//! group of 4 weight rows, each 64-byte register of a record read as two 256-bit halves whose
+//! lanes hold 4 values of each block (`maddubs` products of the weights' magnitudes with the
+//! sign-carrying activations), so a record's eight blocks end in one register of lanes per
+//! activation row after a single fold (see [`q8_group`]). Each output element's arithmetic
+//! is the same whatever the number of rows, so results are batch-invariant. Also the AVX2
+//! activation quantiser.
 
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, pair4, prefetch};
-use super::{BLOCK, COL_TILE, QuantMatrix, QuantizedRows, ROW_TILE};
+use super::groups::{check, check_lanes, pair4, prefetch};
+use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
-/// Block `b` of activation row `r` (zero when `present` is false: a lone last block's pair).
+/// A record's eight registers as two halves of its four 64-byte registers (see
+/// `Layout::Groups`): `[0..4]` bytes 0..32 of each (slots 0..4: weight rows 0 and 1),
+/// `[4..8]` bytes 32..64 (slots 4..8: rows 2 and 3).
+///
+/// # Safety
+/// The CPU must have AVX2; `q` must point at a record's 256 bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn load_x(x: &QuantizedRows, r: usize, b: usize, present: bool) -> __m256i {
-    if present {
-        unsafe { _mm256_loadu_si256(x.quants.as_ptr().add((r * x.blocks + b) * BLOCK) as *const __m256i) }
-    } else {
-        _mm256_setzero_si256()
-    }
+unsafe fn load_record(q: *const u8) -> [__m256i; 8] {
+    // SAFETY: the record's 256 bytes (the caller's guarantee).
+    std::array::from_fn(|i| unsafe {
+        let (half, j) = (i / 4, i % 4);
+        _mm256_loadu_si256(q.add(64 * j + 32 * half) as *const __m256i)
+    })
 }
 
-/// Eight slots' dot products (8 i32 lanes each, lane l over values 4l..4l + 4) folded by
-/// `hadd` into their sums over values 0..16 and 16..32, each as one lane per slot
-/// `[s0, …, s7]`.
+/// Both halves' integer dot products of a record with one activation row's pair, at `at`
+/// (the 64 bytes of the lane copy): per register, `maddubs` of the weights' magnitudes with
+/// the activations carrying the weights' signs (each pair at most 2 · 128 · 127 = 32512, so
+/// nothing saturates), widened by `madd` and summed in i32. Lane 2s' + h of half A's sum
+/// (B's) is the dot product over half h (16 values) of the half's slot s'. Each 16 activation
+/// bytes are loaded once and broadcast to both 128-bit lanes (the slots of one weight row
+/// read the same activations).
+///
+/// # Safety
+/// The CPU must have AVX2; `at` must point at 64 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn fold_slots(m: &[__m256i; 8]) -> (__m256i, __m256i) {
-    let low = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
-    let high = _mm256_hadd_epi32(_mm256_hadd_epi32(m[4], m[5]), _mm256_hadd_epi32(m[6], m[7]));
-    (
-        _mm256_permute2x128_si256::<0x20>(low, high),
-        _mm256_permute2x128_si256::<0x31>(low, high),
-    )
+unsafe fn record_dot(raw: &[__m256i; 8], magnitude: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: 16 bytes at 16 j of the 64 (the caller's guarantee).
+    let xs =
+        |j: usize| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
+    let dot = |i: usize, x: __m256i| {
+        _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude[i], _mm256_sign_epi8(x, raw[i])),
+            ones,
+        )
+    };
+    let (mut a, mut b) = {
+        let x = xs(0);
+        (dot(0, x), dot(4, x))
+    };
+    for j in 1..4 {
+        let x = xs(j);
+        a = _mm256_add_epi32(a, dot(j, x));
+        b = _mm256_add_epi32(b, dot(4 + j, x));
+    }
+    (a, b)
 }
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0) or
 /// per 16 values (`HALVES` = 2, Q6_K), for weight rows `4 · group .. 4 · group + 4` and
 /// activation rows `r0..r0 + R`, into `out[t * COL_TILE + c]`.
 ///
-/// A record's 8 blocks ("slots" s = 2 · weight row + block) are read once per call and
-/// their magnitudes kept for all R rows. Per row, each slot's 32 products are `maddubs`
-/// (|w| against x with w's sign) widened by `madd`, and `hadd` folds the eight slots into
-/// one lane each, so the int → float conversion and the scaling run once per record and row
-/// instead of once per block, weight row and activation row.
+/// A record's registers are read once per call and their magnitudes kept for all R rows.
+/// Per row, [`record_dot`] leaves the sums of each half block in one lane, so no register
+/// needs a horizontal fold of its own: for Q8_0 one `hadd` adds each slot's two halves into
+/// the order `[s0, s1, s4, s5, s2, s3, s6, s7]`, and one conversion and one multiply-add
+/// scale all 8 blocks; for Q6_K the halves are converted and scaled by their own scales
+/// first (the record's `[row][block][half]` scales are the halves' lane order), then added
+/// by a float `hadd`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `w` must be grouped and of an 8-bit family with
-/// `HALVES` scales per block.
+/// `HALVES` scales per block; `x` must carry its interleaved copy.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     w: &QuantMatrix,
@@ -59,74 +89,67 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     out: &mut [f32],
 ) {
     check(w, group, x, r0, R, 2 * BLOCK);
+    check_lanes(x, r0, R);
     assert!(R <= ROW_TILE && w.halves() == HALVES);
     let (nb, pairs) = (x.blocks, x.blocks.div_ceil(2));
     let mut acc = [_mm256_setzero_ps(); R];
     let meta_per_record = 2 * HALVES * COL_TILE;
-    let ones = _mm256_set1_epi16(1);
+    let slot_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
         prefetch(w, record, 2 * BLOCK);
-        // Per-half weight scales, one lane per slot: f16 `[row][block]` (Q8_0) is already
-        // slot order; Q6_K's `[row][block][half]` has the halves of a slot side by side.
-        // SAFETY: the record's scales are in bounds (checked above).
-        let scales: [__m256; HALVES] = unsafe {
+        // SAFETY: the record's scales and 256 bytes of quants are in bounds (checked above).
+        let (scales, raw): ([__m256; 2], [__m256i; 8]) = unsafe {
             let at = w.scales.as_ptr().add(record * meta_per_record);
             let first = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
-            if HALVES == 1 {
-                [first; HALVES]
+            let scales = if HALVES == 1 {
+                [_mm256_permutevar8x32_ps(first, slot_order); 2]
             } else {
-                let second = _mm256_cvtph_ps(_mm_loadu_si128(at.add(8) as *const __m128i));
-                let order =
-                    |v: __m256| _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)));
-                let mut halves = [first; HALVES];
-                halves[0] = order(_mm256_shuffle_ps::<0b10_00_10_00>(first, second));
-                halves[HALVES - 1] = order(_mm256_shuffle_ps::<0b11_01_11_01>(first, second));
-                halves
-            }
-        };
-        // SAFETY: the record's 256 bytes of quants (checked above).
-        let raw: [__m256i; 8] = std::array::from_fn(|s| unsafe {
-            _mm256_loadu_si256(
-                w.quants.as_ptr().add(record * COL_TILE * 2 * BLOCK + s * BLOCK) as *const __m256i
+                [
+                    first,
+                    _mm256_cvtph_ps(_mm_loadu_si128(at.add(8) as *const __m128i)),
+                ]
+            };
+            (
+                scales,
+                load_record(w.quants.as_ptr().add(record * COL_TILE * 2 * BLOCK)),
             )
-        });
-        let magnitude: [__m256i; 8] = std::array::from_fn(|s| _mm256_sign_epi8(raw[s], raw[s]));
+        };
+        let magnitude: [__m256i; 8] = std::array::from_fn(|i| _mm256_abs_epi8(raw[i]));
         for t in 0..R {
-            let r = r0 + t;
-            // SAFETY: row r's blocks b (and b + 1 when two) are in bounds (checked above).
-            let (xs, dx) = unsafe {
+            let row = r0 + t;
+            // SAFETY: row `row`'s pair p (64 bytes) and its blocks b (and b + 1 when two)
+            // are in bounds (checked above).
+            let ((first_half, second_half), dx) = unsafe {
                 (
-                    [load_x(x, r, b, true), load_x(x, r, b + 1, two)],
-                    pair4(x.scales.as_ptr().add(r * nb + b), two),
+                    record_dot(
+                        &raw,
+                        &magnitude,
+                        x.lane_quants.as_ptr().add((row * pairs + p) * LANE_PAIR_BYTES),
+                    ),
+                    pair4(x.scales.as_ptr().add(row * nb + b), two),
                 )
             };
-            let dots: [__m256i; 8] = std::array::from_fn(|s| {
-                _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(magnitude[s], _mm256_sign_epi8(xs[s % 2], raw[s])),
-                    ones,
-                )
-            });
-            let (first, second) = fold_slots(&dots);
             if HALVES == 1 {
-                let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(first, second));
+                let dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(first_half, second_half));
                 acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scales[0], dx), acc[t]);
             } else {
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(scales[0], dx), acc[t]);
-                acc[t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(second),
-                    _mm256_mul_ps(scales[HALVES - 1], dx),
-                    acc[t],
+                let scaled = _mm256_hadd_ps(
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(first_half), scales[0]),
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(second_half), scales[1]),
                 );
+                acc[t] = _mm256_fmadd_ps(scaled, dx, acc[t]);
             }
         }
     }
+    // Lane of slot 2c (block 0 of weight row c); block 1 is the next lane.
+    const LANE: [usize; COL_TILE] = [0, 4, 2, 6];
     for t in 0..R {
         let mut lanes = [0f32; 8];
         // SAFETY: eight floats.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
         for c in 0..COL_TILE {
-            out[t * COL_TILE + c] = lanes[2 * c] + lanes[2 * c + 1];
+            out[t * COL_TILE + c] = lanes[LANE[c]] + lanes[LANE[c] + 1];
         }
     }
 }

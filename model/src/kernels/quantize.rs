@@ -21,10 +21,13 @@ impl QuantizedRows {
     }
 
     /// As [`QuantizedRows::quantize`], for these matrices only (all of width k): the
-    /// interleaved copy for the lane kernels is written only if one of them reads it.
+    /// interleaved copy for the lane and group kernels is written only if one of them reads
+    /// it.
     pub fn quantize_for(&mut self, matrices: &[&QuantMatrix], x: &[f32], m: usize) {
         assert!(!matrices.is_empty() && QuantMatrix::compatible(matrices));
-        let lanes = matrices.iter().any(|w| w.layout == Layout::Lanes);
+        let lanes = matrices
+            .iter()
+            .any(|w| matches!(w.layout, Layout::Lanes | Layout::Groups));
         self.quantize_with(Kernel::detect(), x, m, matrices[0].k, lanes);
     }
 

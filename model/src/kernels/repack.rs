@@ -141,24 +141,20 @@ impl QuantMatrix {
         }
     }
 
-    /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit).
-    /// Not for [`Layout::Lanes`], whose blocks are spread (see [`QuantMatrix::lane_byte`]).
+    /// Byte offset of block `b` of row `j`'s quants (16 bytes for 4-bit rows, 32 for 8-bit)
+    /// in [`Layout::Rows`], the only layout that keeps a block's bytes together.
     fn quant_offset(&self, j: usize, b: usize) -> usize {
         let nb = self.k / BLOCK;
         match (self.layout, self.family) {
             (Layout::Rows, Family::Nibbles) => (j * nb + b) * 16,
             (Layout::Rows, _) => (j * nb + b) * BLOCK,
-            (Layout::Lanes | Layout::Tiles, _) => unreachable!("lane- and tile-layout blocks are spread"),
-            (Layout::Groups, Family::Nibbles) => unreachable!("4-bit weights are never grouped"),
-            (Layout::Groups, _) => {
-                let record = (j / COL_TILE) * nb.div_ceil(2) + b / 2;
-                (record * COL_TILE + j % COL_TILE) * 2 * BLOCK + (b % 2) * BLOCK
-            }
+            _ => unreachable!("group-, lane- and tile-layout blocks are spread"),
         }
     }
 
-    /// Where value `v` of block `b` of row `j` lies in [`Layout::Lanes`]: byte offset, and
-    /// the shift of its nibble (4-bit).
+    /// Where value `v` of block `b` of row `j` lies in [`Layout::Lanes`] (and
+    /// [`Layout::Groups`], which places 8-bit values as it does): byte offset, and the shift
+    /// of its nibble (4-bit).
     fn lane_byte(&self, j: usize, b: usize, v: usize) -> (usize, u32) {
         let record = (j / COL_TILE) * (self.k / BLOCK).div_ceil(2) + b / 2;
         let slot = 2 * (j % COL_TILE) + b % 2;
@@ -202,12 +198,13 @@ impl QuantMatrix {
                     };
                 }
             }
-            (Layout::Lanes, family) => {
+            (layout @ (Layout::Lanes | Layout::Groups), family) => {
                 for (v, value) in values.iter_mut().enumerate() {
                     let (at, shift) = self.lane_byte(j, b, v);
                     let byte = self.quants[at];
-                    *value = match family {
-                        Family::Nibbles => i16::from((byte >> shift) & 0x0F),
+                    *value = match (family, layout) {
+                        (Family::Nibbles, _) => i16::from((byte >> shift) & 0x0F),
+                        (_, Layout::Groups) => i16::from(byte as i8),
                         _ => i16::from(byte) - 128,
                     };
                 }
@@ -309,19 +306,13 @@ impl QuantMatrix {
                     }
                     continue;
                 }
-                if layout == Layout::Lanes {
-                    for (i, &v) in values.iter().enumerate() {
-                        let (at, shift) = grouped.lane_byte(j, b, i);
-                        match self.family {
-                            Family::Nibbles => grouped.quants[at] |= (v as u8) << shift,
-                            _ => grouped.quants[at] = (v + 128) as u8,
-                        }
+                for (i, &v) in values.iter().enumerate() {
+                    let (at, shift) = grouped.lane_byte(j, b, i);
+                    match (self.family, layout) {
+                        (Family::Nibbles, _) => grouped.quants[at] |= (v as u8) << shift,
+                        (_, Layout::Groups) => grouped.quants[at] = v as i8 as u8,
+                        _ => grouped.quants[at] = (v + 128) as u8,
                     }
-                    continue;
-                }
-                let at = grouped.quant_offset(j, b);
-                for (byte, &v) in grouped.quants[at..at + BLOCK].iter_mut().zip(&values) {
-                    *byte = v as i8 as u8;
                 }
             }
         }
