@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, check_lanes, pair4, prefetch};
+use super::groups::{check, check_lanes, in_slot_order, pair_part, pair4, prefetch, weight_row_sums};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// A record's eight registers as two halves of its four 64-byte registers (see
@@ -44,9 +44,8 @@ unsafe fn load_record(q: *const u8) -> [__m256i; 8] {
 #[target_feature(enable = "avx2")]
 unsafe fn record_dot(raw: &[__m256i; 8], magnitude: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
     let ones = _mm256_set1_epi16(1);
-    // SAFETY: 16 bytes at 16 j of the 64 (the caller's guarantee).
-    let xs =
-        |j: usize| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
+    // SAFETY: the 64 bytes at `at` (the caller's guarantee).
+    let xs = |j: usize| unsafe { pair_part(at, j) };
     let dot = |i: usize, x: __m256i| {
         _mm256_madd_epi16(
             _mm256_maddubs_epi16(magnitude[i], _mm256_sign_epi8(x, raw[i])),
@@ -94,7 +93,6 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
     let (nb, pairs) = (x.blocks, x.blocks.div_ceil(2));
     let mut acc = [_mm256_setzero_ps(); R];
     let meta_per_record = 2 * HALVES * COL_TILE;
-    let slot_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
         prefetch(w, record, 2 * BLOCK);
@@ -103,7 +101,7 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
             let at = w.scales.as_ptr().add(record * meta_per_record);
             let first = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
             let scales = if HALVES == 1 {
-                [_mm256_permutevar8x32_ps(first, slot_order); 2]
+                [in_slot_order(first); 2]
             } else {
                 [
                     first,
@@ -142,15 +140,8 @@ pub unsafe fn q8_group<const R: usize, const HALVES: usize>(
             }
         }
     }
-    // Lane of slot 2c (block 0 of weight row c); block 1 is the next lane.
-    const LANE: [usize; COL_TILE] = [0, 4, 2, 6];
     for t in 0..R {
-        let mut lanes = [0f32; 8];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
-        for c in 0..COL_TILE {
-            out[t * COL_TILE + c] = lanes[LANE[c]] + lanes[LANE[c] + 1];
-        }
+        out[t * COL_TILE..][..COL_TILE].copy_from_slice(&weight_row_sums(acc[t]));
     }
 }
 

@@ -13,7 +13,9 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, check_lanes, min_terms, pair4, prefetch};
+use super::groups::{
+    check, check_lanes, in_slot_order, min_terms, pair_part, pair4, prefetch, weight_row_sums,
+};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// A 4-bit record's four registers, nibbles unpacked, as two halves: `[0..4]` the 256-bit
@@ -53,9 +55,8 @@ unsafe fn unpack_record(q: *const u8) -> [__m256i; 8] {
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn record_dot(weights: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
-    // SAFETY: 16 bytes at 16 j of the 64 (the caller's guarantee).
-    let xs =
-        |j: usize| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) };
+    // SAFETY: the 64 bytes at `at` (the caller's guarantee).
+    let xs = |j: usize| unsafe { pair_part(at, j) };
     let (mut a, mut b) = {
         let x = xs(0);
         (
@@ -99,7 +100,6 @@ pub unsafe fn q4_lanes<const R: usize>(
     let nb = x.blocks;
     let pairs = nb.div_ceil(2);
     let mut acc = [_mm256_setzero_ps(); R];
-    let slot_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     let ones = _mm256_set1_epi16(1);
     for p in 0..pairs {
         let (record, b, two) = (group * pairs + p, 2 * p, 2 * p + 1 < nb);
@@ -110,7 +110,7 @@ pub unsafe fn q4_lanes<const R: usize>(
                 w.scales.as_ptr().add(record * 2 * COL_TILE) as *const __m128i
             ));
             (
-                _mm256_permutevar8x32_ps(meta, slot_order),
+                in_slot_order(meta),
                 unpack_record(w.quants.as_ptr().add(record * 4 * BLOCK)),
             )
         };
@@ -136,14 +136,10 @@ pub unsafe fn q4_lanes<const R: usize>(
     }
     // SAFETY: the records' minimums and the rows' sums are in bounds (checked above).
     let mins = unsafe { min_terms::<R>(w, group, x, r0) };
-    // Lane of slot 2c (block 0 of weight row c); block 1 is the next lane.
-    const LANE: [usize; COL_TILE] = [0, 4, 2, 6];
     for t in 0..R {
-        let mut lanes = [0f32; 8];
-        // SAFETY: eight floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+        let sums = weight_row_sums(acc[t]);
         for c in 0..COL_TILE {
-            out[t * COL_TILE + c] = (lanes[LANE[c]] + lanes[LANE[c] + 1]) + mins[t][c];
+            out[t * COL_TILE + c] = sums[c] + mins[t][c];
         }
     }
 }

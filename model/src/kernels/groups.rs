@@ -68,6 +68,41 @@ pub(super) unsafe fn pair4(v: *const f32, two: bool) -> __m256 {
     }
 }
 
+/// f16-converted per-slot values of a record (`[row][block]`: slot s = 2 · row + block) in
+/// the lane order the AVX2 lane and group kernels' `hadd` of a record's two halves leaves its
+/// slots: `[s0, s1, s4, s5, s2, s3, s6, s7]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn in_slot_order(v: __m256) -> __m256 {
+    _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7))
+}
+
+/// Per weight row c of a record, the sum of its two blocks' lanes in an accumulator in
+/// [`in_slot_order`]'s order: `lane(s₂c) + lane(s₂c₊₁)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn weight_row_sums(acc: __m256) -> [f32; COL_TILE] {
+    // Lane of slot 2c (block 0 of weight row c); block 1 is the next lane.
+    const LANE: [usize; COL_TILE] = [0, 4, 2, 6];
+    let mut lanes = [0f32; 8];
+    // SAFETY: eight floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    LANE.map(|lane| lanes[lane] + lanes[lane + 1])
+}
+
+/// Bytes `16 j..16 j + 16` of a row's interleaved pair at `at` (see
+/// `QuantizedRows::lane_quants`), in both 128-bit lanes: the slots of one weight row read the
+/// same activations.
+///
+/// # Safety
+/// The CPU must have AVX2; `at` must point at 64 readable bytes and `j` be below 4.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn pair_part(at: *const i8, j: usize) -> __m256i {
+    // SAFETY: 16 of the 64 bytes (the caller's guarantee).
+    unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) }
+}
+
 /// Bounds of the interleaved activations the lane kernels read.
 pub(super) fn check_lanes(x: &QuantizedRows, r0: usize, rows: usize) {
     let pairs = x.blocks.div_ceil(2);
