@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::groups::{check, check_lanes, in_slot_order, pair_part, pair4, prefetch, weight_row_sums};
+use super::groups::{check, check_lanes, in_slot_order, pair_products, pair4, prefetch, weight_row_sums};
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
 /// A record's eight registers as two halves of its four 64-byte registers (see
@@ -45,23 +45,18 @@ unsafe fn load_record(q: *const u8) -> [__m256i; 8] {
 unsafe fn record_dot(raw: &[__m256i; 8], magnitude: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
     let ones = _mm256_set1_epi16(1);
     // SAFETY: the 64 bytes at `at` (the caller's guarantee).
-    let xs = |j: usize| unsafe { pair_part(at, j) };
-    let dot = |i: usize, x: __m256i| {
-        _mm256_madd_epi16(
-            _mm256_maddubs_epi16(magnitude[i], _mm256_sign_epi8(x, raw[i])),
-            ones,
+    unsafe {
+        pair_products(
+            at,
+            |i, x| {
+                _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(magnitude[i], _mm256_sign_epi8(x, raw[i])),
+                    ones,
+                )
+            },
+            |sum, product| _mm256_add_epi32(sum, product),
         )
-    };
-    let (mut a, mut b) = {
-        let x = xs(0);
-        (dot(0, x), dot(4, x))
-    };
-    for j in 1..4 {
-        let x = xs(j);
-        a = _mm256_add_epi32(a, dot(j, x));
-        b = _mm256_add_epi32(b, dot(4 + j, x));
     }
-    (a, b)
 }
 
 /// Signed 8-bit weights × int8 activations, with one scale per block (`HALVES` = 1, Q8_0) or

@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 
 use super::groups::{
-    check, check_lanes, in_slot_order, min_terms, pair_part, pair4, prefetch, weight_row_sums,
+    check, check_lanes, in_slot_order, min_terms, pair_products, pair4, prefetch, weight_row_sums,
 };
 use super::{BLOCK, COL_TILE, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, ROW_TILE};
 
@@ -56,20 +56,13 @@ unsafe fn unpack_record(q: *const u8) -> [__m256i; 8] {
 #[target_feature(enable = "avx2")]
 unsafe fn record_dot(weights: &[__m256i; 8], at: *const i8) -> (__m256i, __m256i) {
     // SAFETY: the 64 bytes at `at` (the caller's guarantee).
-    let xs = |j: usize| unsafe { pair_part(at, j) };
-    let (mut a, mut b) = {
-        let x = xs(0);
-        (
-            _mm256_maddubs_epi16(weights[0], x),
-            _mm256_maddubs_epi16(weights[4], x),
+    unsafe {
+        pair_products(
+            at,
+            |i, x| _mm256_maddubs_epi16(weights[i], x),
+            |sum, product| _mm256_add_epi16(sum, product),
         )
-    };
-    for j in 1..4 {
-        let x = xs(j);
-        a = _mm256_add_epi16(a, _mm256_maddubs_epi16(weights[j], x));
-        b = _mm256_add_epi16(b, _mm256_maddubs_epi16(weights[4 + j], x));
     }
-    (a, b)
 }
 
 /// 4-bit weights (`scale · q + min`) × int8 activations, for weight rows

@@ -98,9 +98,37 @@ pub(super) fn weight_row_sums(acc: __m256) -> [f32; COL_TILE] {
 /// The CPU must have AVX2; `at` must point at 64 readable bytes and `j` be below 4.
 #[inline]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn pair_part(at: *const i8, j: usize) -> __m256i {
+unsafe fn pair_part(at: *const i8, j: usize) -> __m256i {
     // SAFETY: 16 of the 64 bytes (the caller's guarantee).
     unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(at.add(16 * j) as *const __m128i)) }
+}
+
+/// A record's eight registers against one activation row's pair at `at` (64 bytes of the
+/// lane copy), as the AVX2 lane and group kernels both take them: for j in 0..4, bytes
+/// 16 j..16 j + 16 ([`pair_part`], loaded once) meet register j (half A) and register 4 + j
+/// (half B) in `product`, and `add` sums each half's four products. The kernels differ only
+/// in those two (4-bit: `maddubs` summed in i16; 8-bit: sign-carrying `maddubs` widened by
+/// `madd`, summed in i32).
+///
+/// # Safety
+/// The CPU must have AVX2; `at` must point at 64 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn pair_products(
+    at: *const i8,
+    product: impl Fn(usize, __m256i) -> __m256i,
+    add: impl Fn(__m256i, __m256i) -> __m256i,
+) -> (__m256i, __m256i) {
+    // SAFETY: the 64 bytes at `at` (the caller's guarantee).
+    let x = unsafe { pair_part(at, 0) };
+    let (mut a, mut b) = (product(0, x), product(4, x));
+    for j in 1..4 {
+        // SAFETY: as above.
+        let x = unsafe { pair_part(at, j) };
+        a = add(a, product(j, x));
+        b = add(b, product(4 + j, x));
+    }
+    (a, b)
 }
 
 /// Bounds of the interleaved activations the lane kernels read.
