@@ -88,9 +88,13 @@ fn shapes(format: GgmlDType) -> impl Iterator<Item = (usize, (usize, usize, usiz
         .filter(move |(_, (_, _, k))| k % block == 0)
 }
 
-/// The product computed column by column with one given implementation.
+/// The product computed column by column with one given implementation, the activations
+/// quantised by that implementation too (with `SPECD_KERNEL` capping the detected one, the
+/// detected quantiser would leave out what a better kernel reads).
 fn matmul_with(kernel: Kernel, packed: &QuantMatrix, x: &[f32], m: usize) -> Vec<f32> {
-    let rows = packed.quantize(x, m);
+    let mut rows = QuantizedRows::default();
+    let lanes = matches!(packed.layout, Layout::Lanes | Layout::Groups);
+    rows.quantize_with(kernel, x, m, packed.k, lanes);
     let n = packed.rows();
     let (col_tile, row_tile) = packed.tile_shape();
     let mut out = vec![0f32; m * n];
