@@ -93,11 +93,31 @@ struct ModeResult {
     forward_seconds: f64,
     verify_seconds: f64,
     draft_seconds: f64,
+    /// Decode tokens and seconds of each repetition (over the workload's prompts), for the
+    /// spread of the speed-up from one repetition to the next.
+    repetition_decode_tokens: Vec<f64>,
+    repetition_decode_seconds: Vec<f64>,
 }
 
 impl ModeResult {
     fn tok_s(&self) -> f64 {
         self.decode_tokens / self.decode_seconds.max(1e-9)
+    }
+
+    /// This mode's tok/s over `baseline`'s in each repetition: the modes of one repetition
+    /// run back to back, so each ratio is measured under one state of the machine, and their
+    /// spread shows how far one figure may be from the total's.
+    fn repetition_speedups(&self, baseline: &ModeResult) -> Vec<f64> {
+        let rate = |r: &ModeResult, i: usize| {
+            r.repetition_decode_tokens[i] / r.repetition_decode_seconds[i].max(1e-9)
+        };
+        let repetitions = self
+            .repetition_decode_seconds
+            .len()
+            .min(baseline.repetition_decode_seconds.len());
+        (0..repetitions)
+            .map(|i| rate(self, i) / rate(baseline, i))
+            .collect()
     }
 
     /// Where a decode-phase token's time goes, in microseconds: the verifier's forward
@@ -190,9 +210,12 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         for (i, prompt) in workload.prompts.iter().enumerate() {
             let mut plain_ids = Vec::new();
             // The first repetition runs plain first: the reference for the others.
-            let order =
-                (0..args.repetitions as usize).flat_map(|repetition| mode_order(modes.len(), repetition));
-            for index in order {
+            let order = (0..args.repetitions as usize).flat_map(|repetition| {
+                mode_order(modes.len(), repetition)
+                    .into_iter()
+                    .map(move |m| (repetition, m))
+            });
+            for (repetition, index) in order {
                 let (mode, result) = (&modes[index], &mut results[index]);
                 run += 1;
                 eprintln!(
@@ -217,12 +240,21 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 let n = r.token_ids.len() as f64;
                 let ttft = s.time_to_first_token_seconds;
                 // Decode phase: everything after the first step (which processes the prompt).
-                result.decode_tokens += if s.tokens_per_second > 0.0 {
+                let decode_tokens = if s.tokens_per_second > 0.0 {
                     s.tokens_per_second * (s.decode_seconds - ttft)
                 } else {
                     0.0
                 };
-                result.decode_seconds += s.decode_seconds - ttft;
+                let decode_seconds = s.decode_seconds - ttft;
+                result.decode_tokens += decode_tokens;
+                result.decode_seconds += decode_seconds;
+                for (totals, value) in [
+                    (&mut result.repetition_decode_tokens, decode_tokens),
+                    (&mut result.repetition_decode_seconds, decode_seconds),
+                ] {
+                    totals.resize(totals.len().max(repetition + 1), 0.0);
+                    totals[repetition] += value;
+                }
                 result.tokens += n as u64;
                 result.proposed += u64::from(s.proposed);
                 result.accepted += u64::from(s.accepted);
@@ -319,11 +351,12 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
 
 fn print_table(all: &[(String, Vec<ModeResult>)]) {
     println!(
-        "{:<15} {:<9} {:>8} {:>8} {:>8} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<15} {:<9} {:>8} {:>8} {:>11} {:>8} {:>10} {:>7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "workload",
         "mode",
         "tok/s",
         "speedup",
+        "per rep",
         "accept",
         "tok/call",
         "mean K",
@@ -337,6 +370,11 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
     for (name, results) in all {
         let plain = results[0].tok_s();
         for r in results {
+            let per_repetition = if r.mode == "plain" {
+                "-".to_string()
+            } else {
+                spread(&r.repetition_speedups(&results[0]))
+            };
             let accept = if r.proposed == 0 {
                 "-".to_string()
             } else {
@@ -349,11 +387,12 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
             };
             let [pass_us, call_us, draft_us, own_us] = r.time_per_token_us();
             println!(
-                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>8} {:>10.2} {:>7} {:>10.0} {:>9} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
+                "{:<15} {:<9} {:>8.1} {:>7.2}x {:>11} {:>8} {:>10.2} {:>7} {:>10.0} {:>9} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
                 name,
                 r.mode,
                 r.tok_s(),
                 r.tok_s() / plain,
+                per_repetition,
                 accept,
                 r.tokens as f64 / r.verifier_calls.max(1) as f64,
                 mean_k,
@@ -374,9 +413,20 @@ fn print_table(all: &[(String, Vec<ModeResult>)]) {
     }
 }
 
+/// The lowest and highest of some ratios, as `1.41-1.58` (or the one value).
+fn spread(ratios: &[f64]) -> String {
+    let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    match ratios.len() {
+        0 => "-".into(),
+        1 => format!("{low:.2}"),
+        _ => format!("{low:.2}-{high:.2}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{ModeResult, mode_order};
+    use super::{ModeResult, mode_order, spread};
 
     #[test]
     fn a_decode_tokens_time_splits_into_passes_calls_drafting_and_the_rest() {
@@ -401,6 +451,34 @@ mod tests {
         };
         let [_, call, _, own] = skewed.time_per_token_us();
         assert_eq!((call, own), (0.0, 0.0));
+    }
+
+    #[test]
+    fn each_repetition_is_compared_with_the_baselines_same_repetition() {
+        let plain = ModeResult {
+            repetition_decode_tokens: vec![100.0, 100.0, 100.0],
+            repetition_decode_seconds: vec![1.0, 2.0, 1.0],
+            ..ModeResult::default()
+        };
+        let adaptive = ModeResult {
+            repetition_decode_tokens: vec![100.0, 100.0, 50.0],
+            repetition_decode_seconds: vec![0.5, 1.6, 0.5],
+            ..ModeResult::default()
+        };
+        let speedups = adaptive.repetition_speedups(&plain);
+        for (got, want) in speedups.iter().zip([2.0, 1.25, 1.0]) {
+            assert!((got - want).abs() < 1e-12, "{speedups:?}");
+        }
+        assert_eq!(spread(&speedups), "1.00-2.00");
+        assert_eq!(spread(&speedups[..1]), "2.00");
+        assert_eq!(spread(&[]), "-");
+        // A baseline with fewer repetitions recorded bounds the comparison.
+        let short = ModeResult {
+            repetition_decode_tokens: vec![100.0],
+            repetition_decode_seconds: vec![1.0],
+            ..ModeResult::default()
+        };
+        assert_eq!(adaptive.repetition_speedups(&short).len(), 1);
     }
 
     #[test]
