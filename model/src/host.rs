@@ -15,7 +15,7 @@ use candle_core::Tensor;
 
 use crate::attention::{AttentionShape, SequenceAttention, attend};
 use crate::error::Result;
-use crate::kernels::{QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
+use crate::kernels::{PARALLEL_ROWS, QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
 use crate::llama::{Linear, Llama, SequenceStep};
 
 mod elementwise;
@@ -42,6 +42,8 @@ pub(crate) struct Scratch {
 pub enum Phase {
     Embedding,
     RmsNorm,
+    /// Only in passes of [`PARALLEL_ROWS`] rows or more: fewer rows are quantised by each
+    /// thread inside the product that reads them, and counted there.
     QuantizeActivations,
     QkvMatmul,
     Rotary,
@@ -160,8 +162,9 @@ impl Laps {
 }
 
 /// Products of the same activations with several linears into `outs`. Packed matrices share
-/// one quantisation (done here if any needs it) and one pool pass; other formats go through
-/// candle one at a time. Returns the pool dispatches made.
+/// one quantisation (done here if any needs it, or by each pool thread for a few rows: see
+/// [`QuantMatrix::matmul_many_from`]) and one pool pass; other formats go through candle one
+/// at a time. Returns the pool dispatches made.
 fn project(
     linears: &[&Linear],
     input: &[f32],
@@ -178,11 +181,16 @@ fn project(
             Linear::Candle { .. } => None,
         })
         .collect();
+    let all_packed = packed.len() == linears.len() && QuantMatrix::compatible(&packed);
+    if all_packed && rows < PARALLEL_ROWS {
+        QuantMatrix::matmul_many_from(&packed, input, rows, outs, accumulate);
+        return Ok(1);
+    }
     if !packed.is_empty() {
         quantized.quantize_for(&packed, input, rows);
         laps.lap(Phase::QuantizeActivations, 0);
     }
-    if packed.len() == linears.len() && QuantMatrix::compatible(&packed) {
+    if all_packed {
         QuantMatrix::matmul_many_into(&packed, quantized, outs, accumulate);
         return Ok(1);
     }

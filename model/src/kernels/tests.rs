@@ -324,6 +324,38 @@ fn several_matrices_at_once_equal_each_alone() {
 }
 
 #[test]
+fn quantising_on_each_thread_gives_the_shared_quantisations_products() {
+    let k = 512; // K-quants take multiples of 256
+    for format in FORMATS {
+        // Two matrices at once, as q/k/v and gate/up are, over every row count the per-thread
+        // path takes; with and without accumulating into a residual.
+        let (_, a) = matrix(format, 37, k, 51);
+        let (_, b) = matrix(format, 19, k, 52);
+        for m in 1..PARALLEL_ROWS {
+            let x = random(m * k, 53 + m as u64);
+            for accumulate in [false, true] {
+                let start = random(m * (37 + 19), 54);
+                let (mut shared_a, mut shared_b) = (start[..m * 37].to_vec(), start[m * 37..].to_vec());
+                let (mut own_a, mut own_b) = (shared_a.clone(), shared_b.clone());
+                let rows = a.quantize(&x, m);
+                QuantMatrix::matmul_many_into(
+                    &[&a, &b],
+                    &rows,
+                    &mut [&mut shared_a, &mut shared_b],
+                    accumulate,
+                );
+                QuantMatrix::matmul_many_from(&[&a, &b], &x, m, &mut [&mut own_a, &mut own_b], accumulate);
+                assert_eq!(
+                    (&own_a, &own_b),
+                    (&shared_a, &shared_b),
+                    "{format:?} m{m} {accumulate}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn accumulating_adds_to_the_output() {
     let (m, n, k) = (4, 6, 256);
     let (_, a) = matrix(GgmlDType::Q4_1, n, k, 11);
