@@ -26,15 +26,33 @@ use elementwise::{rms_norm, rotate, silu_mul_rows};
 #[derive(Default)]
 pub(crate) struct Scratch {
     x: Vec<f32>,
-    h: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
     attn: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    quantized: QuantizedRows,
+    staging: Staging,
     profile: Option<ForwardProfile>,
+}
+
+/// Where the calling thread makes a product's activations, and quantises them, when it makes
+/// them for every thread (16 rows and more, or matrices candle multiplies).
+#[derive(Default)]
+struct Staging {
+    values: Vec<f32>,
+    quantized: QuantizedRows,
+}
+
+/// The activations a product reads, as what writes them (`rows × width` values into the
+/// buffer it is given), so that for a few rows each pool thread makes its own (see
+/// [`QuantMatrix::matmul_many_from`]).
+struct Activations<'a> {
+    write: &'a (dyn Fn(&mut [f32]) + Sync),
+    width: usize,
+    /// The phase their making counts under when the calling thread makes them (none: the
+    /// product's own).
+    phase: Option<Phase>,
 }
 
 /// The phases a forward pass is timed by.
@@ -42,8 +60,9 @@ pub(crate) struct Scratch {
 pub enum Phase {
     Embedding,
     RmsNorm,
-    /// Only in passes of [`PARALLEL_ROWS`] rows or more: fewer rows are quantised by each
-    /// thread inside the product that reads them, and counted there.
+    /// Only in passes of [`PARALLEL_ROWS`] rows or more, as the norms and SiLU: fewer rows
+    /// are made and quantised by each thread inside the product that reads them, and
+    /// counted there.
     QuantizeActivations,
     QkvMatmul,
     Rotary,
@@ -162,14 +181,15 @@ impl Laps {
 }
 
 /// Products of the same activations with several linears into `outs`. Packed matrices share
-/// one quantisation (done here if any needs it, or by each pool thread for a few rows: see
-/// [`QuantMatrix::matmul_many_from`]) and one pool pass; other formats go through candle one
-/// at a time. Returns the pool dispatches made.
+/// one quantisation and one pool pass: for a few rows each pool thread makes and quantises
+/// the activations itself (see [`QuantMatrix::matmul_many_from`]), else this thread does,
+/// once, into `staging`. Other formats go through candle one at a time. Returns the pool
+/// dispatches made.
 fn project(
     linears: &[&Linear],
-    input: &[f32],
+    activations: Activations<'_>,
     rows: usize,
-    quantized: &mut QuantizedRows,
+    staging: &mut Staging,
     outs: &mut [&mut [f32]],
     accumulate: bool,
     laps: &mut Laps,
@@ -183,9 +203,16 @@ fn project(
         .collect();
     let all_packed = packed.len() == linears.len() && QuantMatrix::compatible(&packed);
     if all_packed && rows < PARALLEL_ROWS {
-        QuantMatrix::matmul_many_from(&packed, input, rows, outs, accumulate);
+        QuantMatrix::matmul_many_from(&packed, rows, activations.write, outs, accumulate);
         return Ok(1);
     }
+    let Staging { values, quantized } = staging;
+    values.resize(rows * activations.width, 0.0);
+    (activations.write)(values);
+    if let Some(phase) = activations.phase {
+        laps.lap(phase, 0);
+    }
+    let input = &values[..];
     if !packed.is_empty() {
         quantized.quantize_for(&packed, input, rows);
         laps.lap(Phase::QuantizeActivations, 0);
@@ -227,7 +254,6 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
     let mut laps = Laps::new(s.profile.is_some());
     for (buf, width) in [
         (&mut s.x, d),
-        (&mut s.h, d),
         (&mut s.q, qd),
         (&mut s.k, kvd),
         (&mut s.v, kvd),
@@ -258,13 +284,16 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
         head_dim: hd,
     };
     for (layer, block) in model.blocks.iter().enumerate() {
-        rms_norm(&s.x, &block.attn_norm_host, eps, &mut s.h);
-        laps.lap(Phase::RmsNorm, 0);
+        let attention_norm = |out: &mut [f32]| rms_norm(&s.x, &block.attn_norm_host, eps, out);
         let n = project(
             &[&block.wq, &block.wk, &block.wv],
-            &s.h,
+            Activations {
+                write: &attention_norm,
+                width: d,
+                phase: Some(Phase::RmsNorm),
+            },
             total,
-            &mut s.quantized,
+            &mut s.staging,
             &mut [&mut s.q, &mut s.k, &mut s.v],
             false,
             &mut laps,
@@ -315,35 +344,49 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
             .collect::<Result<Vec<_>>>()?;
         attend(&shape, &s.q, &sequences, &mut s.attn);
         laps.lap(Phase::Attention, 1);
+        let attention_out = |out: &mut [f32]| out.copy_from_slice(&s.attn);
         let n = project(
             &[&block.wo],
-            &s.attn,
+            Activations {
+                write: &attention_out,
+                width: qd,
+                phase: None,
+            },
             total,
-            &mut s.quantized,
+            &mut s.staging,
             &mut [&mut s.x],
             true,
             &mut laps,
         )?;
         laps.lap(Phase::OutputMatmul, n);
-        rms_norm(&s.x, &block.ffn_norm_host, eps, &mut s.h);
-        laps.lap(Phase::RmsNorm, 0);
+        let ffn_norm = |out: &mut [f32]| rms_norm(&s.x, &block.ffn_norm_host, eps, out);
         let n = project(
             &[&block.w_gate, &block.w_up],
-            &s.h,
+            Activations {
+                write: &ffn_norm,
+                width: d,
+                phase: Some(Phase::RmsNorm),
+            },
             total,
-            &mut s.quantized,
+            &mut s.staging,
             &mut [&mut s.gate, &mut s.up],
             false,
             &mut laps,
         )?;
         laps.lap(Phase::GateUpMatmul, n);
-        silu_mul_rows(&mut s.gate, &s.up, ff);
-        laps.lap(Phase::SiluMul, 0);
+        let silu_times_up = |out: &mut [f32]| {
+            out.copy_from_slice(&s.gate);
+            silu_mul_rows(out, &s.up, ff);
+        };
         let n = project(
             &[&block.w_down],
-            &s.gate,
+            Activations {
+                write: &silu_times_up,
+                width: ff,
+                phase: Some(Phase::SiluMul),
+            },
             total,
-            &mut s.quantized,
+            &mut s.staging,
             &mut [&mut s.x],
             true,
             &mut laps,
@@ -359,13 +402,16 @@ pub(crate) fn forward(model: &Llama, steps: &mut [SequenceStep<'_>]) -> Result<V
             .iter()
             .flat_map(|&r| s.x[r * d..(r + 1) * d].iter().copied())
             .collect();
-        let mut normed = vec![0f32; selected.len()];
-        rms_norm(&selected, &model.output_norm_host, eps, &mut normed);
+        let output_norm = |out: &mut [f32]| rms_norm(&selected, &model.output_norm_host, eps, out);
         let n = project(
             &[&model.lm_head],
-            &normed,
+            Activations {
+                write: &output_norm,
+                width: d,
+                phase: None,
+            },
             wanted.len(),
-            &mut s.quantized,
+            &mut s.staging,
             &mut [logits.as_mut_slice()],
             false,
             &mut laps,

@@ -149,8 +149,12 @@ pub struct QuantizedRows {
 enum Activations<'a> {
     /// Quantised once by the caller, read by every thread.
     Shared(&'a QuantizedRows),
-    /// Quantised by each thread for itself (with the lane kernels' copy if `lanes`).
-    PerThread { x: &'a [f32], lanes: bool },
+    /// Written by `input` and quantised by each thread for itself (with the lane kernels'
+    /// copy if `lanes`).
+    PerThread {
+        input: &'a (dyn Fn(&mut [f32]) + Sync),
+        lanes: bool,
+    },
 }
 
 fn read_f16(bytes: &[u8], at: usize) -> u16 {
@@ -285,27 +289,33 @@ impl QuantMatrix {
         Self::matmul_parts(matrices, rows.m, Activations::Shared(rows), outs, accumulate);
     }
 
-    /// As [`QuantMatrix::matmul_many_into`] from the activations `x [m, k]` themselves, for
-    /// fewer than [`PARALLEL_ROWS`](split::PARALLEL_ROWS) rows: each pool thread quantises
-    /// them into its own buffer before its part of the products. The quantisation is done
-    /// twice, but at the same time, and no thread reads or overwrites lines the other one
-    /// wrote or read: a few rows quantised by the calling thread into one shared buffer cost
-    /// about three times their arithmetic inside a pass. Results are the same bit for bit.
+    /// As [`QuantMatrix::matmul_many_into`] from activations that `input` writes (`[m, k]`,
+    /// into the buffer it is given; e.g. a norm of the residual stream), for fewer than
+    /// [`PARALLEL_ROWS`](split::PARALLEL_ROWS) rows: each pool thread runs `input` and
+    /// quantises its result into buffers of its own before its part of the products. That
+    /// work is done twice, but at the same time, and no thread reads or overwrites lines the
+    /// other one wrote or read: a few rows normed and quantised by the calling thread into
+    /// shared buffers cost about three times their arithmetic inside a pass. `input` must
+    /// write the same values on every thread (and dispatch nothing to the pool); results
+    /// are then the same bit for bit.
     pub fn matmul_many_from(
         matrices: &[&QuantMatrix],
-        x: &[f32],
         m: usize,
+        input: &(dyn Fn(&mut [f32]) + Sync),
         outs: &mut [&mut [f32]],
         accumulate: bool,
     ) {
-        assert!(
-            m < split::PARALLEL_ROWS && !matrices.is_empty() && x.len() == m * matrices[0].k,
-            "a few rows of the matrices' width"
-        );
+        assert!(m < split::PARALLEL_ROWS && !matrices.is_empty(), "a few rows");
         let lanes = matrices
             .iter()
             .any(|w| matches!(w.layout, Layout::Lanes | Layout::Groups));
-        Self::matmul_parts(matrices, m, Activations::PerThread { x, lanes }, outs, accumulate);
+        Self::matmul_parts(
+            matrices,
+            m,
+            Activations::PerThread { input, lanes },
+            outs,
+            accumulate,
+        );
     }
 
     fn matmul_parts(
@@ -366,14 +376,21 @@ impl QuantMatrix {
             }
         };
         thread_local! {
+            static OWN_INPUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
             static OWN_ROWS: std::cell::RefCell<QuantizedRows> = std::cell::RefCell::new(QuantizedRows::default());
         }
+        let k = matrices[0].k;
         for_parts(total, |items| match activations {
             Activations::Shared(rows) => run(rows, items),
-            Activations::PerThread { x, lanes } => OWN_ROWS.with_borrow_mut(|rows| {
-                // Fewer than PARALLEL_ROWS rows: quantised on this thread, no nested dispatch.
-                rows.quantize_with(kernel, x, m, matrices[0].k, lanes);
-                run(rows, items)
+            Activations::PerThread { input, lanes } => OWN_INPUT.with_borrow_mut(|x| {
+                x.resize(m * k, 0.0);
+                input(x);
+                OWN_ROWS.with_borrow_mut(|rows| {
+                    // Fewer than PARALLEL_ROWS rows: quantised on this thread, no nested
+                    // dispatch.
+                    rows.quantize_with(kernel, x, m, k, lanes);
+                    run(rows, items)
+                })
             }),
         });
     }

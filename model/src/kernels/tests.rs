@@ -344,7 +344,14 @@ fn quantising_on_each_thread_gives_the_shared_quantisations_products() {
                     &mut [&mut shared_a, &mut shared_b],
                     accumulate,
                 );
-                QuantMatrix::matmul_many_from(&[&a, &b], &x, m, &mut [&mut own_a, &mut own_b], accumulate);
+                let input = |buf: &mut [f32]| buf.copy_from_slice(&x);
+                QuantMatrix::matmul_many_from(
+                    &[&a, &b],
+                    m,
+                    &input,
+                    &mut [&mut own_a, &mut own_b],
+                    accumulate,
+                );
                 assert_eq!(
                     (&own_a, &own_b),
                     (&shared_a, &shared_b),

@@ -83,6 +83,32 @@ fn one_pass_equals_token_by_token_for(dtype: GgmlDType) {
     assert_eq!(cache.tokens(), &TOKENS);
 }
 
+/// A pass of 16 rows or more makes and quantises its activations once on the calling thread;
+/// a pass of fewer rows on each pool thread (`QuantMatrix::matmul_many_from`). Both give the
+/// same logits bit for bit.
+#[test]
+fn a_pass_of_many_rows_equals_passes_of_a_few() {
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        let model = load(&SyntheticSpec {
+            dtype,
+            ..SyntheticSpec::default()
+        });
+        let tokens: Vec<u32> = (0..20u32).map(|i| (i * 37 + 5) % 256).collect();
+        let together = one_pass(&model, &tokens);
+        let mut cache = model.new_cache().unwrap();
+        let mut in_threes = Vec::new();
+        for chunk in tokens.chunks(3) {
+            in_threes.extend(score(
+                &model,
+                &mut cache,
+                chunk,
+                &(0..chunk.len()).collect::<Vec<_>>(),
+            ));
+        }
+        assert_eq!(together, in_threes, "{dtype:?}");
+    }
+}
+
 #[test]
 fn logits_at_a_subset_match_the_full_pass() {
     let model = load(&SyntheticSpec::default());
