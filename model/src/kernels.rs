@@ -146,7 +146,7 @@ pub struct QuantizedRows {
 
 /// Where a product's quantised activations come from (see [`QuantMatrix::matmul_many_from`]).
 #[derive(Clone, Copy)]
-enum Activations<'a> {
+enum ActivationSource<'a> {
     /// Quantised once by the caller, read by every thread.
     Shared(&'a QuantizedRows),
     /// Written by `input` and quantised by each thread for itself (with the lane kernels'
@@ -254,6 +254,14 @@ impl QuantMatrix {
             .expect("one product per matrix")
     }
 
+    /// Whether any of these matrices is in a layout whose kernel reads the activations'
+    /// interleaved lane copy (the lane and group kernels).
+    pub(crate) fn any_reads_lanes(matrices: &[&QuantMatrix]) -> bool {
+        matrices
+            .iter()
+            .any(|w| matches!(w.layout, Layout::Lanes | Layout::Groups))
+    }
+
     /// Whether `matmul_many` can take these matrices together (same width).
     pub fn compatible(matrices: &[&QuantMatrix]) -> bool {
         matrices.windows(2).all(|w| w[0].k == w[1].k)
@@ -286,7 +294,7 @@ impl QuantMatrix {
             rows.k, matrices[0].k,
             "activations must match the matrices' width"
         );
-        Self::matmul_parts(matrices, rows.m, Activations::Shared(rows), outs, accumulate);
+        Self::matmul_parts(matrices, rows.m, ActivationSource::Shared(rows), outs, accumulate);
     }
 
     /// As [`QuantMatrix::matmul_many_into`] from activations that `input` writes (`[m, k]`,
@@ -306,13 +314,11 @@ impl QuantMatrix {
         accumulate: bool,
     ) {
         assert!(m < split::PARALLEL_ROWS && !matrices.is_empty(), "a few rows");
-        let lanes = matrices
-            .iter()
-            .any(|w| matches!(w.layout, Layout::Lanes | Layout::Groups));
+        let lanes = Self::any_reads_lanes(matrices);
         Self::matmul_parts(
             matrices,
             m,
-            Activations::PerThread { input, lanes },
+            ActivationSource::PerThread { input, lanes },
             outs,
             accumulate,
         );
@@ -321,7 +327,7 @@ impl QuantMatrix {
     fn matmul_parts(
         matrices: &[&QuantMatrix],
         m: usize,
-        activations: Activations<'_>,
+        activations: ActivationSource<'_>,
         outs: &mut [&mut [f32]],
         accumulate: bool,
     ) {
@@ -381,8 +387,8 @@ impl QuantMatrix {
         }
         let k = matrices[0].k;
         for_parts(total, |items| match activations {
-            Activations::Shared(rows) => run(rows, items),
-            Activations::PerThread { input, lanes } => OWN_INPUT.with_borrow_mut(|x| {
+            ActivationSource::Shared(rows) => run(rows, items),
+            ActivationSource::PerThread { input, lanes } => OWN_INPUT.with_borrow_mut(|x| {
                 x.resize(m * k, 0.0);
                 input(x);
                 OWN_ROWS.with_borrow_mut(|rows| {

@@ -4,7 +4,7 @@
 
 use half::f16;
 
-use super::{BLOCK, Kernel, LANE_PAIR_BYTES, Layout, QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
+use super::{BLOCK, Kernel, LANE_PAIR_BYTES, QuantMatrix, QuantizedRows, SendPtr, for_row_ranges};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2_groups, avx2_lanes, avx512};
 
@@ -25,9 +25,7 @@ impl QuantizedRows {
     /// it.
     pub fn quantize_for(&mut self, matrices: &[&QuantMatrix], x: &[f32], m: usize) {
         assert!(!matrices.is_empty() && QuantMatrix::compatible(matrices));
-        let lanes = matrices
-            .iter()
-            .any(|w| matches!(w.layout, Layout::Lanes | Layout::Groups));
+        let lanes = QuantMatrix::any_reads_lanes(matrices);
         self.quantize_with(Kernel::detect(), x, m, matrices[0].k, lanes);
     }
 

@@ -93,8 +93,7 @@ fn shapes(format: GgmlDType) -> impl Iterator<Item = (usize, (usize, usize, usiz
 /// detected quantiser would leave out what a better kernel reads).
 fn matmul_with(kernel: Kernel, packed: &QuantMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let mut rows = QuantizedRows::default();
-    let lanes = matches!(packed.layout, Layout::Lanes | Layout::Groups);
-    rows.quantize_with(kernel, x, m, packed.k, lanes);
+    rows.quantize_with(kernel, x, m, packed.k, QuantMatrix::any_reads_lanes(&[packed]));
     let n = packed.rows();
     let (col_tile, row_tile) = packed.tile_shape();
     let mut out = vec![0f32; m * n];
