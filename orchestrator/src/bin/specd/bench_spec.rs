@@ -93,10 +93,22 @@ struct ModeResult {
     forward_seconds: f64,
     verify_seconds: f64,
     draft_seconds: f64,
-    /// Decode tokens and seconds of each repetition (over the workload's prompts), for the
-    /// spread of the speed-up from one repetition to the next.
-    repetition_decode_tokens: Vec<f64>,
-    repetition_decode_seconds: Vec<f64>,
+    /// Each repetition's decode phase (over the workload's prompts), for the spread of the
+    /// speed-up from one repetition to the next.
+    repetitions: Vec<DecodePhase>,
+}
+
+/// Tokens decoded after the first step, and the seconds they took.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize)]
+struct DecodePhase {
+    decode_tokens: f64,
+    decode_seconds: f64,
+}
+
+impl DecodePhase {
+    fn tok_s(&self) -> f64 {
+        self.decode_tokens / self.decode_seconds.max(1e-9)
+    }
 }
 
 impl ModeResult {
@@ -108,15 +120,10 @@ impl ModeResult {
     /// run back to back, so each ratio is measured under one state of the machine, and their
     /// spread shows how far one figure may be from the total's.
     fn repetition_speedups(&self, baseline: &ModeResult) -> Vec<f64> {
-        let rate = |r: &ModeResult, i: usize| {
-            r.repetition_decode_tokens[i] / r.repetition_decode_seconds[i].max(1e-9)
-        };
-        let repetitions = self
-            .repetition_decode_seconds
-            .len()
-            .min(baseline.repetition_decode_seconds.len());
-        (0..repetitions)
-            .map(|i| rate(self, i) / rate(baseline, i))
+        self.repetitions
+            .iter()
+            .zip(&baseline.repetitions)
+            .map(|(own, base)| own.tok_s() / base.tok_s())
             .collect()
     }
 
@@ -248,13 +255,10 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 let decode_seconds = s.decode_seconds - ttft;
                 result.decode_tokens += decode_tokens;
                 result.decode_seconds += decode_seconds;
-                for (totals, value) in [
-                    (&mut result.repetition_decode_tokens, decode_tokens),
-                    (&mut result.repetition_decode_seconds, decode_seconds),
-                ] {
-                    totals.resize(totals.len().max(repetition + 1), 0.0);
-                    totals[repetition] += value;
-                }
+                let reps = &mut result.repetitions;
+                reps.resize(reps.len().max(repetition + 1), DecodePhase::default());
+                reps[repetition].decode_tokens += decode_tokens;
+                reps[repetition].decode_seconds += decode_seconds;
                 result.tokens += n as u64;
                 result.proposed += u64::from(s.proposed);
                 result.accepted += u64::from(s.accepted);
@@ -426,7 +430,7 @@ fn spread(ratios: &[f64]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{ModeResult, mode_order, spread};
+    use super::{DecodePhase, ModeResult, mode_order, spread};
 
     #[test]
     fn a_decode_tokens_time_splits_into_passes_calls_drafting_and_the_rest() {
@@ -455,14 +459,21 @@ mod tests {
 
     #[test]
     fn each_repetition_is_compared_with_the_baselines_same_repetition() {
+        let phases = |pairs: &[(f64, f64)]| -> Vec<DecodePhase> {
+            pairs
+                .iter()
+                .map(|&(decode_tokens, decode_seconds)| DecodePhase {
+                    decode_tokens,
+                    decode_seconds,
+                })
+                .collect()
+        };
         let plain = ModeResult {
-            repetition_decode_tokens: vec![100.0, 100.0, 100.0],
-            repetition_decode_seconds: vec![1.0, 2.0, 1.0],
+            repetitions: phases(&[(100.0, 1.0), (100.0, 2.0), (100.0, 1.0)]),
             ..ModeResult::default()
         };
         let adaptive = ModeResult {
-            repetition_decode_tokens: vec![100.0, 100.0, 50.0],
-            repetition_decode_seconds: vec![0.5, 1.6, 0.5],
+            repetitions: phases(&[(100.0, 0.5), (100.0, 1.6), (50.0, 0.5)]),
             ..ModeResult::default()
         };
         let speedups = adaptive.repetition_speedups(&plain);
@@ -474,8 +485,7 @@ mod tests {
         assert_eq!(spread(&[]), "-");
         // A baseline with fewer repetitions recorded bounds the comparison.
         let short = ModeResult {
-            repetition_decode_tokens: vec![100.0],
-            repetition_decode_seconds: vec![1.0],
+            repetitions: phases(&[(100.0, 1.0)]),
             ..ModeResult::default()
         };
         assert_eq!(adaptive.repetition_speedups(&short).len(), 1);
