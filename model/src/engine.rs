@@ -23,7 +23,8 @@ use crate::gguf::GgufFile;
 use crate::kv_cache::KvCache;
 use crate::llama::{Llama, SequenceStep};
 use crate::tokenizer::TextTokenizer;
-use pass_record::PassRecord;
+use pass_record::PassLog;
+pub use pass_record::PassRecord;
 use returns::Returns;
 pub use types::{
     DEFAULT_RETURN_WAIT_SHARE, EngineOptions, Logits, ModelInfo, PrefillOrder, ScoreRequest, Scores,
@@ -59,6 +60,8 @@ pub struct Engine {
     seconds_per_job: Arc<AtomicU64>,
     /// The model the engine thread runs, for its forward-pass profile.
     llama: Arc<Llama>,
+    /// Every pass, while a benchmark records them.
+    pass_log: Arc<PassLog>,
 }
 
 /// Everything loaded from one GGUF file.
@@ -149,7 +152,9 @@ impl Engine {
         let (jobs, queue) = std::sync::mpsc::sync_channel(options.max_queue.max(1));
         let waiting = Arc::new(AtomicUsize::new(0));
         let seconds_per_job = Arc::new(AtomicU64::new(0f64.to_bits()));
+        let pass_log = Arc::new(PassLog::default());
         let worker = Worker {
+            pass_log: pass_log.clone(),
             waiting: waiting.clone(),
             seconds_per_job: seconds_per_job.clone(),
             cache: CacheStore::new(options.max_cache_bytes),
@@ -174,6 +179,7 @@ impl Engine {
             waiting,
             seconds_per_job,
             llama,
+            pass_log,
         })
     }
 
@@ -249,6 +255,7 @@ impl Engine {
 }
 
 struct Worker {
+    pass_log: Arc<PassLog>,
     waiting: Arc<AtomicUsize>,
     seconds_per_job: Arc<AtomicU64>,
     llama: Arc<Llama>,
@@ -533,7 +540,7 @@ impl Worker {
             forward_seconds,
             idle_seconds,
         }
-        .emit();
+        .emit(&self.pass_log);
         let per_job = forward_seconds / batch_size.max(1) as f64;
         let old = f64::from_bits(self.seconds_per_job.load(Ordering::Relaxed));
         let ema = if old == 0.0 {

@@ -26,8 +26,8 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::LlamaConfig;
 pub use device::{DeviceSpec, set_compute_threads};
 pub use engine::{
-    Engine, EngineOptions, LoadedModel, Logits, ModelInfo, PrefillOrder, ScoreRequest, Scores, TextModel,
-    load, load_text_model,
+    Engine, EngineOptions, LoadedModel, Logits, ModelInfo, PassRecord, PrefillOrder, ScoreRequest, Scores,
+    TextModel, load, load_text_model,
 };
 pub use error::{ModelError, Result};
 pub use sampling::{Sampler, SamplingParams, SparseDist, argmax, warp};

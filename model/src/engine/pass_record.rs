@@ -7,19 +7,31 @@
 //! time spent in such passes), `specd_engine_idle_seconds` (the gap before each pass),
 //! `specd_engine_prompt_tokens_total` and `specd_engine_scored_tokens_total` (tokens whose
 //! logits a pass computed: decode and verify rows; `kind` as for the pass that scored them).
+//! A benchmark can also keep every pass in memory ([`Engine::start_pass_log`]), to price
+//! what it replays on what the passes of its own run cost.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::Engine;
 
 /// One forward pass, as measured by the engine's loop.
-pub(super) struct PassRecord {
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PassRecord {
+    /// Sequences in the pass, and the tokens it computed over all of them.
     pub sequences: usize,
     pub tokens: usize,
+    /// Of `tokens`, those computed for a prompt (no logits wanted).
     pub prompt_tokens: usize,
+    /// The forward pass, and the engine's idle time before it.
     pub forward_seconds: f64,
     pub idle_seconds: f64,
 }
 
 impl PassRecord {
-    /// Logs the pass and records its metrics.
-    pub fn emit(&self) {
+    /// Logs the pass, records its metrics and keeps it in `log` if that is recording.
+    pub(super) fn emit(&self, log: &PassLog) {
+        log.push(self);
         tracing::debug!(
             target: "specd_model::engine::pass",
             sequences = self.sequences,
@@ -39,5 +51,39 @@ impl PassRecord {
         metrics::counter!("specd_engine_prompt_tokens_total").increment(self.prompt_tokens as u64);
         metrics::counter!("specd_engine_scored_tokens_total", "kind" => kind)
             .increment(self.tokens.saturating_sub(self.prompt_tokens) as u64);
+    }
+}
+
+/// The passes kept while recording (off by default: one atomic load a pass).
+#[derive(Debug, Default)]
+pub(super) struct PassLog {
+    recording: AtomicBool,
+    passes: Mutex<Vec<PassRecord>>,
+}
+
+impl PassLog {
+    fn push(&self, pass: &PassRecord) {
+        if self.recording.load(Ordering::Relaxed) {
+            self.passes.lock().unwrap_or_else(|e| e.into_inner()).push(*pass);
+        }
+    }
+}
+
+impl Engine {
+    /// Starts keeping every forward pass (sequences, tokens, prompt tokens, seconds), from an
+    /// empty log.
+    pub fn start_pass_log(&self) {
+        self.pass_log
+            .passes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.pass_log.recording.store(true, Ordering::Relaxed);
+    }
+
+    /// The passes since [`Engine::start_pass_log`], in order; stops keeping them.
+    pub fn take_pass_log(&self) -> Vec<PassRecord> {
+        self.pass_log.recording.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *self.pass_log.passes.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }

@@ -202,6 +202,43 @@ fn without_prefix_sharing_a_sequence_reuses_only_its_own_cache() {
     );
 }
 
+#[test]
+fn the_pass_log_keeps_each_pass_while_recording_and_only_then() {
+    let (_file, loaded) = tiny_engine(EngineOptions {
+        prefill_chunk: 0,
+        share_prefixes: false,
+        ..EngineOptions::default()
+    });
+    let engine = &loaded.engine;
+    let context: Vec<u32> = (0..20).map(|i| 3 + (i * 7 % 250)).collect();
+    engine.score_blocking(request("before", &context)).unwrap();
+    engine.start_pass_log();
+    // A prompt (logits at its last position), then three drafts verified at once.
+    engine.score_blocking(request("a", &context)).unwrap();
+    let mut verified = context.clone();
+    verified.extend([5, 6, 7, 8]);
+    engine
+        .score_blocking(ScoreRequest {
+            sequence: "a".into(),
+            context: verified.clone(),
+            logits_from: context.len(),
+        })
+        .unwrap();
+    let log = engine.take_pass_log();
+    let shapes: Vec<_> = log
+        .iter()
+        .map(|p| (p.sequences, p.tokens, p.prompt_tokens))
+        .collect();
+    assert_eq!(shapes, [(1, 20, 19), (1, 4, 0)]);
+    assert!(log.iter().all(|p| p.forward_seconds > 0.0));
+    // Not recording after the take, and a new start begins from an empty log.
+    engine.score_blocking(request("b", &context)).unwrap();
+    assert!(engine.take_pass_log().is_empty());
+    engine.start_pass_log();
+    engine.score_blocking(request("c", &context)).unwrap();
+    assert_eq!(engine.take_pass_log().len(), 1);
+}
+
 /// Submits three 48-token prompts together to an engine computing 16 prompt tokens per pass
 /// in `order`, and returns the pass that answered each. The first pass waits for all three
 /// (a busy test machine could otherwise start it with the first alone).
