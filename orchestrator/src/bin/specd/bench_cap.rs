@@ -22,6 +22,45 @@ use specd_orchestrator::costs::{CostModel, DraftPricing, VerifyCall};
 /// Pass sizes whose times a `bench spec` JSON records (1 to 9 tokens), beside its traces.
 pub const SAVED_PASS_SIZES: usize = 9;
 
+/// Passes of one size a run must hold for their median to stand for that size in
+/// [`live_curve`].
+pub const LIVE_MIN_PASSES: usize = 5;
+
+/// The pass curve of a run's own decode and verify passes (one sequence, no prompt tokens):
+/// for each size 1..=`sizes`, the median time of its passes and how many there were. A size
+/// with fewer than [`LIVE_MIN_PASSES`] takes the nearest smaller size's median scaled by
+/// `fallback`'s ratio between the two (the curve measured apart). `None` without enough
+/// one-token passes to anchor it.
+pub fn live_curve(
+    passes: &[specd_model::PassRecord],
+    sizes: usize,
+    fallback: impl Fn(usize) -> f64,
+) -> Option<(Vec<f64>, Vec<usize>)> {
+    let mut by_size = vec![Vec::new(); sizes];
+    for pass in passes {
+        if pass.sequences == 1 && pass.prompt_tokens == 0 && (1..=sizes).contains(&pass.tokens) {
+            by_size[pass.tokens - 1].push(pass.forward_seconds);
+        }
+    }
+    let counts: Vec<usize> = by_size.iter().map(Vec::len).collect();
+    let mut curve: Vec<f64> = Vec::with_capacity(sizes);
+    let mut anchor: Option<(usize, f64)> = None;
+    for (index, mut times) in by_size.into_iter().enumerate() {
+        let n = index + 1;
+        let seconds = if times.len() >= LIVE_MIN_PASSES {
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            anchor = Some((n, median));
+            median
+        } else {
+            let (m, at_m) = anchor?;
+            at_m * fallback(n) / fallback(m)
+        };
+        curve.push(seconds);
+    }
+    Some((curve, counts))
+}
+
 /// One greedy generation: the prompt's tokens followed by the generated ones (as `bench
 /// spec` saves it and `bench replay` reads it).
 #[derive(Debug, Serialize, Deserialize)]
@@ -193,6 +232,45 @@ mod tests {
             context: [prompt, output].concat(),
             prompt_len: prompt.len(),
         }
+    }
+
+    fn pass(
+        sequences: usize,
+        tokens: usize,
+        prompt_tokens: usize,
+        forward_seconds: f64,
+    ) -> specd_model::PassRecord {
+        specd_model::PassRecord {
+            sequences,
+            tokens,
+            prompt_tokens,
+            forward_seconds,
+            idle_seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_live_curve_takes_each_sizes_median_and_fills_thin_sizes_from_the_fallback() {
+        let mut log = Vec::new();
+        for i in 0..7 {
+            log.push(pass(1, 1, 0, 1.0 + 0.01 * i as f64));
+            log.push(pass(1, 3, 0, 1.5 + 0.01 * i as f64));
+        }
+        // Sizes 2 and 4 too thin to stand; prompts and batches are not this curve's passes.
+        log.push(pass(1, 2, 0, 9.0));
+        log.push(pass(1, 4, 0, 9.0));
+        log.push(pass(1, 3, 2, 50.0));
+        log.push(pass(2, 3, 0, 50.0));
+        let fallback = |n: usize| 1.0 + 0.25 * (n - 1) as f64;
+        let (curve, counts) = live_curve(&log, 4, fallback).unwrap();
+        assert_eq!(counts, [7, 1, 7, 1]);
+        let want = [1.03, 1.03 * 1.25, 1.53, 1.53 * 1.75 / 1.5];
+        for (got, want) in curve.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{curve:?}");
+        }
+        // No one-token passes to anchor it: no curve.
+        let only_larger: Vec<_> = log.iter().copied().filter(|p| p.tokens != 1).collect();
+        assert!(live_curve(&only_larger, 4, fallback).is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! `--curve learned` they are priced on the curve the orchestrator's cost model had learned
 //! from the run's own passes instead, the one that steered the live policy: a live figure
 //! far from the replay on the measured curve but near this one was set by the pass costs of
-//! the moment, not by the policy.
+//! the moment, not by the policy. `--curve live` prices them on the run's own passes.
 
 use std::path::{Path, PathBuf};
 
@@ -25,7 +25,8 @@ pub struct ReplayBenchArgs {
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=(SAVED_PASS_SIZES as i64 - 1)))]
     max_k: u32,
     /// Which of the run's pass curves prices the replays: `measured` (after the runs, by
-    /// itself) or `learned` (by the cost model, from the run's live passes).
+    /// itself), `learned` (by the cost model, from the run's live passes) or `live` (the
+    /// medians of the run's own passes).
     #[arg(long, value_enum, default_value_t = SavedCurve::Measured)]
     curve: SavedCurve,
     #[command(flatten)]
@@ -37,6 +38,7 @@ pub struct ReplayBenchArgs {
 pub enum SavedCurve {
     Measured,
     Learned,
+    Live,
 }
 
 impl SavedCurve {
@@ -44,6 +46,15 @@ impl SavedCurve {
         match self {
             Self::Measured => "pass_seconds_1_to_9",
             Self::Learned => "learned_pass_seconds_1_to_9",
+            Self::Live => "live_pass_seconds_1_to_9",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Measured => "measured",
+            Self::Learned => "learned",
+            Self::Live => "live",
         }
     }
 }
@@ -52,9 +63,12 @@ impl SavedCurve {
 struct SavedWorkload {
     workload: String,
     pass_seconds_1_to_9: Vec<f64>,
-    /// Absent from files written before the cost model's curve was saved.
+    /// Absent from files written before these curves were saved (the live one also from a
+    /// run too short to anchor it).
     #[serde(default)]
     learned_pass_seconds_1_to_9: Option<Vec<f64>>,
+    #[serde(default)]
+    live_pass_seconds_1_to_9: Option<Vec<f64>>,
     plain_traces: Vec<Trace>,
 }
 
@@ -69,12 +83,11 @@ fn load(path: &Path, which: SavedCurve) -> anyhow::Result<Saved> {
         bail!("{} holds no workloads", path.display());
     };
     let curve = match which {
-        SavedCurve::Measured => first.pass_seconds_1_to_9.clone(),
-        SavedCurve::Learned => first
-            .learned_pass_seconds_1_to_9
-            .clone()
-            .with_context(|| format!("{} holds no learned pass curve", path.display()))?,
-    };
+        SavedCurve::Measured => Some(first.pass_seconds_1_to_9.clone()),
+        SavedCurve::Learned => first.learned_pass_seconds_1_to_9.clone(),
+        SavedCurve::Live => first.live_pass_seconds_1_to_9.clone(),
+    }
+    .with_context(|| format!("{} holds no {} pass curve", path.display(), which.name()))?;
     if curve.len() != SAVED_PASS_SIZES || curve.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
         bail!(
             "{}: the pass curve ({}) must hold {SAVED_PASS_SIZES} positive times",
@@ -104,10 +117,7 @@ pub fn run(args: ReplayBenchArgs) -> anyhow::Result<()> {
     println!(
         "replayed from {}, priced on its {} pass curve: n = 2..5 cost x{}",
         args.from.display(),
-        match args.curve {
-            SavedCurve::Measured => "measured",
-            SavedCurve::Learned => "learned",
-        },
+        args.curve.name(),
         curve_ratios(&pass_seconds)
     );
     replay_workloads(&workloads, args.max_k as usize, args.ngram.config(), pass_seconds);
@@ -133,6 +143,10 @@ mod tests {
         (1..=9).map(|n| 1.0 + 0.3 * (n - 1) as f64).collect()
     }
 
+    fn live() -> Vec<f64> {
+        (1..=9).map(|n| 1.0 + 0.2 * (n - 1) as f64).collect()
+    }
+
     #[test]
     fn a_saved_run_replays_as_the_run_priced_it() {
         // The shape `bench spec` writes: a verbatim copy, where drafting pays.
@@ -144,10 +158,13 @@ mod tests {
             "oracle_k_cap": 0.0,
             "pass_seconds_1_to_9": curve(),
             "learned_pass_seconds_1_to_9": learned(),
+            "live_pass_seconds_1_to_9": live(),
             "plain_traces": [{ "prompt_len": body.len(), "tokens": tokens }],
         }]));
         let (_, learned_curve) = load(file.path(), SavedCurve::Learned).unwrap();
         assert_eq!(learned_curve, learned());
+        let (_, live_curve) = load(file.path(), SavedCurve::Live).unwrap();
+        assert_eq!(live_curve, live());
         let (workloads, saved_curve) = load(file.path(), SavedCurve::Measured).unwrap();
         assert_eq!(saved_curve, curve());
         assert_eq!(workloads[0].0, "copy");
@@ -191,11 +208,13 @@ mod tests {
             "plain_traces": [] }]),
         );
         assert!(load(old.path(), SavedCurve::Measured).is_ok());
-        let err = load(old.path(), SavedCurve::Learned).unwrap_err();
-        assert!(
-            format!("{err:#}").contains("holds no learned pass curve"),
-            "{err:#}"
-        );
+        for (which, name) in [(SavedCurve::Learned, "learned"), (SavedCurve::Live, "live")] {
+            let err = load(old.path(), which).unwrap_err();
+            assert!(
+                format!("{err:#}").contains(&format!("holds no {name} pass curve")),
+                "{err:#}"
+            );
+        }
         let short = write(
             &serde_json::json!([{ "workload": "x", "pass_seconds_1_to_9": curve(),
             "learned_pass_seconds_1_to_9": [1.0], "plain_traces": [] }]),

@@ -13,7 +13,9 @@ use specd_orchestrator::Generator;
 use specd_orchestrator::setup::{GeneratorSettings, in_process};
 use specd_proto::v1 as pb;
 
-use crate::bench_cap::{SAVED_PASS_SIZES, Trace, curve_ratios, replay_workloads};
+use crate::bench_cap::{
+    Lengths, SAVED_PASS_SIZES, Trace, curve_ratios, live_curve, policy_replay, replay_workloads,
+};
 use crate::bench_engine::pass_curve;
 use crate::plot::{Panel, grouped_bars};
 
@@ -198,6 +200,8 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     // Warm-up (page in weights, settle the cost model).
     run_one(&generator, "Hello", &args, "plain").await?;
     run_one(&generator, "Hello", &args, "adaptive").await?;
+    // Every pass of the runs, to price the replays on what they cost live too.
+    engine.start_pass_log();
     let mut all = Vec::new();
     let mut traces: Vec<Vec<Trace>> = Vec::new();
     let runs = args.repetitions as usize
@@ -277,6 +281,7 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
         all.push((workload.name.clone(), results));
         traces.push(workload_traces);
     }
+    let live_passes = engine.take_pass_log();
     print_table(&all);
     // Priced on the verifier's pass curve, measured after the runs at the traces' mean
     // decode depth (the cost model's learned curve, which steered the live policy, can
@@ -299,6 +304,31 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     );
     let workloads: Vec<(String, Vec<Trace>)> = all.iter().map(|(name, _)| name.clone()).zip(traces).collect();
     let replays = replay_workloads(&workloads, args.max_k as usize, ngram, pass_seconds);
+    // The same policy replay on what this run's own passes cost (the curve measured after
+    // the runs is a few passes per size on a machine that drifts; the live passes are
+    // thousands, at the depths and in the order the workloads ran them).
+    let live = live_curve(&live_passes, measured.len(), pass_seconds);
+    let live_replays: Option<Vec<f64>> = live.as_ref().map(|(curve, counts)| {
+        let live_seconds = |n: usize| curve[n.clamp(1, curve.len()) - 1];
+        println!(
+            "the policy replayed on this run's own passes ({} of one token; n = 2..5: {} passes, cost x{}):",
+            counts[0],
+            counts[1..5]
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join("/"),
+            curve_ratios(&live_seconds)
+        );
+        workloads
+            .iter()
+            .map(|(name, traces)| {
+                let replay = policy_replay(traces, args.max_k as usize, ngram, Lengths::Policy, live_seconds);
+                println!("{name:<15} {replay:>7.2}x");
+                replay
+            })
+            .collect()
+    });
     if let Some(parent) = args.json_out.parent() {
         std::fs::create_dir_all(parent)?;
     }
@@ -306,11 +336,19 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
     let learned_curve: Vec<f64> = (1..=SAVED_PASS_SIZES)
         .map(|n| generator.costs.pass_seconds(n))
         .collect();
+    let (live_curve, live_counts) = match &live {
+        Some((curve, counts)) => (
+            Some(curve[..SAVED_PASS_SIZES].to_vec()),
+            Some(counts[..SAVED_PASS_SIZES].to_vec()),
+        ),
+        None => (None, None),
+    };
     let json: Vec<_> = all
         .iter()
         .zip(&replays)
         .zip(&workloads)
-        .map(|(((name, results), replay), (_, traces))| {
+        .enumerate()
+        .map(|(i, (((name, results), replay), (_, traces)))| {
             serde_json::json!({
                 "workload": name,
                 "results": results,
@@ -319,6 +357,11 @@ pub async fn run(args: SpecBenchArgs) -> anyhow::Result<()> {
                 "policy_replay_oracle_lengths": replay.oracle_lengths,
                 "pass_seconds_1_to_9": pass_curve,
                 "learned_pass_seconds_1_to_9": learned_curve,
+                // This run's own one-sequence decode and verify passes (thin sizes filled
+                // from the curve above), how many of each, and the policy replayed on them.
+                "live_pass_seconds_1_to_9": live_curve,
+                "live_pass_counts_1_to_9": live_counts,
+                "policy_replay_live": live_replays.as_ref().map(|r| r[i]),
                 // The plain outputs, so drafting strategies can be replayed offline
                 // (`specd bench replay`).
                 "plain_traces": traces,
