@@ -45,11 +45,10 @@ pub fn live_curve(
     let counts: Vec<usize> = by_size.iter().map(Vec::len).collect();
     let mut curve: Vec<f64> = Vec::with_capacity(sizes);
     let mut anchor: Option<(usize, f64)> = None;
-    for (index, mut times) in by_size.into_iter().enumerate() {
+    for (index, times) in by_size.into_iter().enumerate() {
         let n = index + 1;
         let seconds = if times.len() >= LIVE_MIN_PASSES {
-            times.sort_by(f64::total_cmp);
-            let median = times[times.len() / 2];
+            let median = crate::bench_engine::median(times);
             anchor = Some((n, median));
             median
         } else {
